@@ -1,0 +1,1 @@
+"""Benchmarks for pallas_loop: `python -m benchmarks.run` (see README.md)."""

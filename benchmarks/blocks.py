@@ -1,0 +1,89 @@
+"""Blocks (step functions) and their parameters, shared by tests and benchmarks.
+
+Each block is `step(params, h, x) -> h_new`, row independent, written with
+operations both Pallas backends lower: matmuls accumulate in float32
+(`preferred_element_type`) and cast back to the state's dtype, as a
+mixed-precision model would. `make(name, d, dtype, key)` builds the
+parameters; weights are scaled so the maps are contractions (stable over
+many steps, in bf16 too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def _mm(a, w):
+  return jnp.dot(a, w, preferred_element_type=jnp.float32)
+
+
+def tanh_rnn(params, h, x):
+  """h <- tanh(h W + x U + b). FLOPs per row-step: 4 D^2."""
+  w, u, b = params
+  z = _mm(h, w) + _mm(x, u) + b.astype(jnp.float32)
+  return jnp.tanh(z).astype(h.dtype)
+
+
+def residual_mlp(params, h, x):
+  """h <- h + relu(h W1) W2 + x (hidden F = 4 D). FLOPs per row-step: 16 D^2."""
+  w1, w2 = params
+  hidden = jnp.maximum(_mm(h, w1), 0.0).astype(h.dtype)
+  return (h.astype(jnp.float32) + _mm(hidden, w2) + x.astype(jnp.float32)).astype(h.dtype)
+
+
+def lstm(params, state, x):
+  """An LSTM cell on the pytree state (h, c). FLOPs per row-step: 16 D^2."""
+  (wi, wf, wo, wg), (ui, uf, uo, ug) = params
+  h, c = state
+  gate = lambda w, u: _mm(h, w) + _mm(x, u)
+  i = jax.nn.sigmoid(gate(wi, ui))
+  f = jax.nn.sigmoid(gate(wf, uf))
+  o = jax.nn.sigmoid(gate(wo, uo))
+  g = jnp.tanh(gate(wg, ug))
+  c_new = f * c.astype(jnp.float32) + i * g
+  h_new = o * jnp.tanh(c_new)
+  return h_new.astype(h.dtype), c_new.astype(c.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """A block with what benchmarks need to count its work."""
+
+  name: str
+  step: Callable[..., Any]
+  flops_per_row_step: Callable[[int], int]   # D -> FLOPs
+
+
+BLOCKS = {
+    "tanh_rnn": Block("tanh_rnn", tanh_rnn, lambda d: 4 * d * d),
+    "residual_mlp": Block("residual_mlp", residual_mlp, lambda d: 16 * d * d),
+    "lstm": Block("lstm", lstm, lambda d: 16 * d * d),
+}
+
+
+def make(name: str, batch: int, d: int, dtype=jnp.float32, key=None):
+  """(step, params, h0, x) for block `name` with B=batch rows of width d."""
+  key = jax.random.key(0) if key is None else key
+  keys = jax.random.split(key, 12)
+  scale = 0.9 / jnp.sqrt(d)
+  normal = lambda k, shape: (jax.random.normal(k, shape, jnp.float32) * scale).astype(dtype)
+  x = jax.random.normal(keys[0], (batch, d), jnp.float32).astype(dtype)
+  h0 = (0.5 * jax.random.normal(keys[1], (batch, d), jnp.float32)).astype(dtype)
+  if name == "tanh_rnn":
+    params = (normal(keys[2], (d, d)), normal(keys[3], (d, d)),
+              (0.1 * jax.random.normal(keys[4], (d,), jnp.float32)).astype(dtype))
+  elif name == "residual_mlp":
+    # Small residual branch: 64 steps stay O(1).
+    params = (normal(keys[2], (d, 4 * d)), (0.05 * normal(keys[3], (4 * d, d))).astype(dtype))
+    x = (0.01 * x.astype(jnp.float32)).astype(dtype)
+  elif name == "lstm":
+    params = (tuple(normal(keys[2 + i], (d, d)) for i in range(4)),
+              tuple(normal(keys[6 + i], (d, d)) for i in range(4)))
+    h0 = (h0, jnp.zeros((batch, d), dtype))
+  else:
+    raise ValueError(f"unknown block {name!r}; known: {sorted(BLOCKS)}")
+  return BLOCKS[name].step, params, h0, x

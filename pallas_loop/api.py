@@ -1,0 +1,126 @@
+"""`pallas_loop.iterate`: the public entry point.
+
+Validates and normalises the arguments, hoists the arrays `step` closes over
+into explicit operands (`step_fn.py`), picks the forward per lowering platform
+(`dispatch.py`) and wires it into one `jax.custom_vjp` with the backward of
+the requested gradient mode (`vjp_full.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from pallas_loop import dispatch
+from pallas_loop import info as info_lib
+from pallas_loop import step_fn as step_fn_lib
+from pallas_loop import validation
+from pallas_loop import vjp_full
+
+
+def iterate(
+    step: Callable[..., Any],
+    params: Any,
+    h0: Any,
+    x: Any = None,
+    *,
+    iters: Any,
+    max_iters: int,
+    grad: str = "full",
+    implementation: str | None = None,
+    interpret: Any = None,
+    block_rows: int | None = None,
+    sort_rows: bool = True,
+    return_info: bool = False,
+):
+  """Applies `step` to each row of `h0` its own number of times.
+
+  Row i of the state is updated `n_i = clip(iters[i], 0, max_iters)` times:
+  `h <- step(params, h, x)`. Rows are independent, so a row that has spent
+  its count is frozen while the others go on, and (in the Pallas kernel) a
+  tile of rows stops as soon as its slowest row is done. Differentiable
+  w.r.t. `params`, `h0` and `x` (the counts are data and get no gradient),
+  and composes with `jit`, `vmap` and `grad`.
+
+  Args:
+    step: `step(params, h, x) -> h_new`. It sees a group of rows: every leaf
+      of `h` and `x` has a leading row axis. It must treat rows independently
+      and return the structure, shapes and dtypes of `h`. Inside the Pallas
+      kernel it may use only what Pallas lowers (jnp arithmetic, dot,
+      reductions over non-row axes, where). Arrays it closes over are hoisted
+      into operands and differentiated like `params`.
+    params: pytree shared by every row (may be None).
+    h0: pytree of arrays, each [B, ...]: the initial state.
+    x: pytree of arrays [B, ...], constant across steps, or None.
+    iters: int, or int array of shape () or [B]; may be traced (one
+      compilation serves every count). Clipped to [0, max_iters].
+    max_iters: static Python int >= 0, the largest count.
+    grad: "full": exact backpropagation through every applied step.
+    implementation: None (auto: the Pallas kernel on GPU/TPU when the step
+      fits its rules, else XLA with a one-time warning saying why; XLA on
+      CPU), "pallas" (the kernel; interpret mode on CPU; an error, never a
+      silent fallback, if it cannot run) or "xla".
+    interpret: run the kernel in Pallas interpret mode. None: only where no
+      compiled backend exists (CPU). A `pltpu.InterpretParams()` interprets
+      with TPU semantics.
+    block_rows: rows per kernel tile (default chosen per backend: 32 with
+      Triton, up to 128 on TPU, 32 in interpret mode).
+    sort_rows: order rows by descending count before tiling so each tile's
+      rows finish together (results do not depend on it).
+    return_info: also return an `IterateInfo`.
+
+  Returns:
+    The final state, with the structure, shapes and dtypes of `h0`; with
+    `return_info=True`, `(h, IterateInfo(steps, residual, halted))`.
+
+  Example:
+    >>> import jax.numpy as jnp, pallas_loop
+    >>> double = lambda params, h, x: h * 2
+    >>> pallas_loop.iterate(double, None, jnp.ones((3, 5)),
+    ...                     iters=jnp.array([1, 2, 3]), max_iters=3)[:, 0]
+    Array([2., 4., 8.], dtype=float32)
+  """
+  validation.check_options(step, implementation, interpret, block_rows, sort_rows, grad)
+  max_iters = validation.check_max_iters(max_iters)
+  batch = validation.batch_size(h0, x)
+  counts = validation.counts_from_iters(iters, batch, max_iters)
+  consts, out_shape = step_fn_lib.trace_step(step, params, h0, x)
+  step_fn_lib.check_step_output(out_shape, h0)
+  fn = step_fn_lib.StepFn(step, tuple(consts))
+
+  forward = dispatch.forward_fn(
+      fn, implementation=implementation, interpret=interpret,
+      block_rows=block_rows, sort_rows=sort_rows)
+  h, residual = _with_custom_vjp(forward, fn, max_iters)(
+      params, consts, h0, x, counts)
+  if not return_info:
+    return h
+  info = info_lib.IterateInfo(
+      steps=counts, residual=lax.stop_gradient(residual),
+      halted=jnp.zeros((batch,), bool))
+  return h, info
+
+
+def _with_custom_vjp(forward, fn, max_iters):
+  """`forward` as a custom_vjp over (params, consts, h0, x, counts)."""
+
+  @jax.custom_vjp
+  def run(params, consts, h0, x, counts):
+    return forward(params, consts, h0, x, counts)
+
+  def run_fwd(params, consts, h0, x, counts):
+    return forward(params, consts, h0, x, counts), (params, consts, h0, x, counts)
+
+  def run_bwd(saved, cotangents):
+    params, consts, h0, x, counts = saved
+    g_h, _ = cotangents  # the residual output is not differentiated
+    step = lambda shared, h, x_: fn(shared[0], shared[1], h, x_)
+    (g_params, g_consts), g_h0, g_x = vjp_full.backward(
+        step, (params, consts), h0, x, counts, max_iters, g_h)
+    return g_params, g_consts, g_h0, g_x, None
+
+  run.defvjp(run_fwd, run_bwd)
+  return run

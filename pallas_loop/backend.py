@@ -1,0 +1,99 @@
+"""What distinguishes one Pallas backend from another for the iterate kernel.
+
+The kernel body (`kernel.py`) is shared; a `Backend` supplies only what differs:
+the block-shape rules, the compiler parameters, the default tile height, the
+primitives its lowering knows, and the interpret mode. One instance per
+backend lives in `pallas_triton.py`, `pallas_mosaic_tpu.py` and here
+(`INTERPRET`, the CPU-runnable one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.extend import core as jex_core
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """One blocked operand of the kernel, as the block rules see it."""
+
+  what: str                  # e.g. "h['c']" or "params[0]": named in errors
+  block_shape: tuple[int, ...]
+  array_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """A Pallas backend for the iterate kernel.
+
+  Attributes:
+    name: short name used in kernel names, errors and warnings.
+    platforms: the lowering platforms it compiles for (empty: interpret).
+    default_block_rows: B -> rows per tile when the caller gives none.
+    block_problems: blocks -> a message per violated block rule.
+    compiler_params: block_rows -> backend compiler params (or None).
+    lowering_rules: () -> the primitives its lowering supports, or None when
+      the table cannot be read in this JAX version (no pre-check then).
+    extra_problems: specialized jaxpr -> further messages (e.g. dot sizes).
+    interpret: the `interpret=` value for `pallas_call`.
+  """
+
+  name: str
+  platforms: tuple[str, ...]
+  default_block_rows: Callable[[int], int]
+  block_problems: Callable[[Sequence[Block]], list[str]]
+  compiler_params: Callable[[int], Any]
+  lowering_rules: Callable[[], Any] = lambda: None
+  extra_problems: Callable[[Any], list[str]] = lambda jaxpr: []
+  interpret: Any = False
+
+
+def iter_eqns(jaxpr):
+  """Every equation of `jaxpr`, recursing into sub-jaxprs (loops, jit, ...)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jex_core.jaxprs_in_params(eqn.params):
+      yield from iter_eqns(sub)
+
+
+def unsupported_primitive_problems(backend: Backend, jaxpr) -> list[str]:
+  """Names the primitives of `jaxpr` that `backend` has no lowering for."""
+  rules = backend.lowering_rules()
+  if rules is None:
+    return []
+  missing = sorted({e.primitive.name for e in iter_eqns(jaxpr)
+                    if e.primitive not in rules})
+  return [f"step uses the primitive `{name}`, which the Pallas {backend.name} "
+          "lowering does not support" for name in missing]
+
+
+def next_power_of_2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def _interpret_block_rows(batch: int) -> int:
+  # A tile per 32 rows: small enough that sorted tiles show early exit, large
+  # enough that the interpreter's per-program overhead stays small.
+  return min(32, next_power_of_2(batch))
+
+
+INTERPRET = Backend(
+    name="interpret",
+    platforms=(),
+    default_block_rows=_interpret_block_rows,
+    block_problems=lambda blocks: [],
+    compiler_params=lambda block_rows: None,
+    interpret=True,
+)
+
+
+def interpret_backend(interpret: Any) -> Backend:
+  """The interpret backend for `interpret=True` or a `pltpu.InterpretParams`."""
+  if interpret is True:
+    return INTERPRET
+  return dataclasses.replace(INTERPRET, name="tpu-interpret", interpret=interpret)
+
+

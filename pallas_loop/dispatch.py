@@ -1,0 +1,154 @@
+"""Choosing the implementation per lowering platform.
+
+Which Pallas backend runs, with which block rules and compiler parameters,
+depends on the platform being lowered for, not on `jax.default_backend()`:
+a CPU machine must be able to export the GPU and TPU kernels. So the choice is
+a `lax.platform_dependent` whose branches are all traced but of which only the
+target platform's branch is lowered. A branch whose backend rules fail must
+not raise while tracing (it would break lowering for the other platforms), so
+it returns a placeholder primitive that raises (`implementation="pallas"`) or
+warns once and falls back to XLA (`implementation=None`) when, and only when,
+it is lowered.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+from jax import lax
+from jax import tree_util
+from jax.extend import core as jex_core
+from jax.interpreters import batching
+from jax.interpreters import mlir
+
+from pallas_loop import backend as backend_lib
+from pallas_loop import kernel
+from pallas_loop import pallas_mosaic_tpu
+from pallas_loop import pallas_triton
+from pallas_loop import xla
+
+KERNEL_NAME = "pallas_loop_iterate_fwd"
+
+# --- A placeholder that raises when lowered --------------------------------
+
+_unsupported_p = jex_core.Primitive("pallas_loop_unsupported")
+_unsupported_p.multiple_results = True
+_unsupported_p.def_abstract_eval(lambda *args, out_avals, message: out_avals)
+
+
+def _unsupported_lowering(ctx, *args, out_avals, message):
+  raise ValueError(message)
+
+
+def _unsupported_batching(args, dims, *, out_avals, message):
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+  batched = tuple(jax.core.ShapedArray((size,) + a.shape, a.dtype) for a in out_avals)
+  return _unsupported_p.bind(*args, out_avals=batched, message=message), (0,) * len(batched)
+
+
+mlir.register_lowering(_unsupported_p, _unsupported_lowering)
+batching.primitive_batchers[_unsupported_p] = _unsupported_batching
+
+
+def raise_when_lowered(message: str, fn, *operands):
+  """Values shaped like `fn(*operands)` whose lowering raises ValueError(message)."""
+  leaves, tree = tree_util.tree_flatten(jax.eval_shape(fn, *operands))
+  avals = tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in leaves)
+  outs = _unsupported_p.bind(*tree_util.tree_leaves(operands), out_avals=avals,
+                             message=message)
+  return tree_util.tree_unflatten(tree, outs)
+
+
+# --- An identity that warns (once per message) when lowered ----------------
+
+_warned: set[str] = set()
+_notice_p = jex_core.Primitive("pallas_loop_fallback_notice")
+_notice_p.multiple_results = True
+_notice_p.def_abstract_eval(lambda *args, message: args)
+
+
+def _notice_lowering(ctx, *args, message):
+  if message not in _warned:
+    _warned.add(message)
+    warnings.warn(message, UserWarning, stacklevel=2)
+  return list(args)
+
+
+mlir.register_lowering(_notice_p, _notice_lowering)
+batching.primitive_batchers[_notice_p] = (
+    lambda args, dims, *, message: (_notice_p.bind(*args, message=message), dims))
+
+
+def warn_when_lowered(message: str, tree):
+  """`tree` unchanged; lowering it warns `message` once per process."""
+  leaves, treedef = tree_util.tree_flatten(tree)
+  return tree_util.tree_unflatten(treedef, _notice_p.bind(*leaves, message=message))
+
+
+# --- The forward, per platform ----------------------------------------------
+
+
+def _problem_message(backend, problems, fallback: bool) -> str:
+  listed = "; ".join(problems)
+  if fallback:
+    return (f"pallas_loop.iterate: the Pallas {backend.name} kernel cannot run "
+            f"this step ({listed}); using the XLA implementation. Pass "
+            "implementation='xla' to silence this warning.")
+  return (f"pallas_loop.iterate(implementation='pallas'): the Pallas "
+          f"{backend.name} kernel cannot run this step: {listed}. Fix the "
+          "shapes as described, or use implementation='xla'.")
+
+
+def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
+  """The forward `f(params, consts, h0, x, counts) -> (h, residual)` to use.
+
+  Args:
+    step_fn: the user's step as a `step_fn.StepFn`.
+    implementation: None (auto), "pallas" or "xla".
+    interpret: None, True, False or a `pltpu.InterpretParams`.
+    block_rows, sort_rows: kernel tiling options.
+  """
+
+  def run_xla(params, consts, h0, x, counts):
+    apply = lambda p, h, x_: step_fn(p, consts, h, x_)
+    return xla.forward(apply, params, h0, x, counts)
+
+  def on(backend, *, fallback):
+    def branch(params, consts, h0, x, counts):
+      p = kernel.plan(backend, step_fn, params, consts, h0, x, block_rows)
+      if not p.problems:
+        return kernel.run(p, params, h0, x, counts, sort_rows=sort_rows,
+                          name=KERNEL_NAME)
+      message = _problem_message(backend, p.problems, fallback)
+      if not backend.platforms:  # interpret mode runs everywhere: fail now
+        raise ValueError(message)
+      if fallback:
+        return warn_when_lowered(message, run_xla(params, consts, h0, x, counts))
+      return raise_when_lowered(message, run_xla, params, consts, h0, x, counts)
+    return branch
+
+  def no_compiled_backend(params, consts, h0, x, counts):
+    return raise_when_lowered(
+        "pallas_loop.iterate(implementation='pallas', interpret=False) needs a "
+        "GPU (Triton) or TPU (Mosaic) platform; on this platform pass "
+        "interpret=True (or leave interpret=None).",
+        run_xla, params, consts, h0, x, counts)
+
+  if implementation == "xla":
+    return run_xla
+  if interpret is not None and interpret is not False:
+    return on(backend_lib.interpret_backend(interpret), fallback=False)
+  strict = implementation == "pallas"
+  if strict:
+    default = on(backend_lib.INTERPRET, fallback=False) if interpret is None else no_compiled_backend
+  else:
+    default = run_xla
+  triton = on(pallas_triton.TRITON, fallback=not strict)
+  mosaic = on(pallas_mosaic_tpu.MOSAIC_TPU, fallback=not strict)
+
+  def select(*operands):
+    return lax.platform_dependent(
+        *operands, cuda=triton, rocm=triton, tpu=mosaic, default=default)
+
+  return select

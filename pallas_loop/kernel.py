@@ -1,0 +1,193 @@
+"""The fused iterate kernel: one body shared by every Pallas backend.
+
+Legend (shapes in comments):
+  B: rows of the batch, padded to whole tiles    TB: rows per tile (block_rows)
+  ...: a leaf's trailing (per-row) dimensions    T: a tile's largest count
+
+Each program of the 1-D grid owns TB consecutive rows (already ordered by
+descending count, see `rows.py`). It loads their state, inputs and counts and
+the whole of the shared operands (`params` and the arrays `step` closes over),
+then runs a while loop of T trips. A row whose count is spent is frozen by
+masking. The state lives in registers/VMEM between steps and is written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from jax import lax
+from jax import tree_util
+from jax.experimental import pallas as pl
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_loop import backend as backend_lib
+from pallas_loop import masking
+from pallas_loop import rows as rows_lib
+from pallas_loop import step_fn as step_fn_lib
+
+
+def _iterate_kernel(counts_ref, *refs, spec, trees, n_ops, elems_per_row):
+  """The kernel body. Refs, in order:
+
+  counts_ref: int32 [TB, 1]    the tile's step counts
+  shared refs: full blocks     params leaves, then the step's constants
+  h refs: [TB, ...]            initial state leaves
+  x refs: [TB, ...]            input leaves
+  out h refs: [TB, ...]        final state leaves
+  out residual ref: f32 [TB, 1]
+  """
+  n_params, n_consts, n_h, n_x = n_ops
+  params_tree, h_tree, x_tree = trees
+  it = iter(refs)
+  params_refs = [next(it) for _ in range(n_params)]
+  const_refs = [next(it) for _ in range(n_consts)]
+  h_refs = [next(it) for _ in range(n_h)]
+  x_refs = [next(it) for _ in range(n_x)]
+  h_out_refs = [next(it) for _ in range(n_h)]
+  residual_ref = next(it)
+
+  def load(ref, shape):
+    return ref[...].reshape(shape)  # 0-d operands travel as (1, 1)
+
+  params = tree_util.tree_unflatten(
+      params_tree, [load(r, s) for r, s in zip(params_refs, spec.param_shapes)])
+  consts = [load(r, s) for r, s in zip(const_refs, spec.const_shapes)]
+  x = tree_util.tree_unflatten(x_tree, [r[...] for r in x_refs])
+  h = tree_util.tree_unflatten(h_tree, [r[...] for r in h_refs])
+  counts = counts_ref[...]
+  apply_step = lambda p, h, x: spec.traced.apply(consts, p, h, x)
+
+  def body(t, carry):
+    h, residual = carry
+    active = t < counts
+    h, rms = masking.masked_step(apply_step, params, h, x, active, elems_per_row)
+    return h, jnp.where(active, rms, residual)
+
+  residual = jnp.zeros(counts.shape, jnp.float32)
+  h, residual = lax.fori_loop(0, jnp.max(counts), body, (h, residual))
+  for ref, leaf in zip(h_out_refs, tree_util.tree_leaves(h)):
+    ref[...] = leaf
+  residual_ref[...] = residual
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+  """How the kernel will run on one backend, or why it cannot.
+
+  Attributes:
+    backend: the backend it was planned for.
+    block_rows: rows per tile.
+    rows: the batch padded to whole tiles.
+    traced: the step traced at the tile's shapes.
+    param_shapes/const_shapes: true shapes of the shared operands.
+    problems: violated backend rules; empty when the kernel can run.
+  """
+
+  backend: backend_lib.Backend
+  block_rows: int
+  rows: int
+  traced: step_fn_lib.SpecializedStep
+  param_shapes: tuple
+  const_shapes: tuple
+  problems: tuple[str, ...]
+
+
+def _tile_avals(tree, block_rows):
+  return tree_util.tree_map(
+      lambda a: jax.ShapeDtypeStruct((block_rows,) + a.shape[1:], a.dtype), tree)
+
+
+def _shared_2d(a) -> tuple[int, ...]:
+  return (1, 1) if np.ndim(a) == 0 else tuple(np.shape(a))
+
+
+def plan(backend, step_fn, params, consts, h0, x, block_rows=None) -> TilePlan:
+  """Traces the step at the tile shape and checks the backend's rules."""
+  batch = tree_util.tree_leaves(h0)[0].shape[0]
+  tb = block_rows or backend.default_block_rows(batch)
+  padded = -(-batch // tb) * tb
+  traced = step_fn.specialize(params, consts, _tile_avals(h0, tb), _tile_avals(x, tb))
+  blocks = [backend_lib.Block("iters", (tb, 1), (padded, 1))]
+  for name, tree in (("h0", h0), ("x", x)):
+    for path, a in tree_util.tree_flatten_with_path(tree)[0]:
+      blocks.append(backend_lib.Block(
+          f"{name}{tree_util.keystr(path)}", (tb,) + a.shape[1:], (padded,) + a.shape[1:]))
+  for path, a in tree_util.tree_flatten_with_path(params)[0]:
+    blocks.append(backend_lib.Block(f"params{tree_util.keystr(path)}",
+                                    _shared_2d(a), _shared_2d(a)))
+  for i, c in enumerate(traced.const_values):
+    blocks.append(backend_lib.Block(f"an array step closes over (#{i})",
+                                    _shared_2d(c), _shared_2d(c)))
+  problems = (backend.block_problems(blocks)
+              + backend_lib.unsupported_primitive_problems(backend, traced.jaxpr)
+              + backend.extra_problems(traced.jaxpr))
+  return TilePlan(
+      backend=backend, block_rows=tb, rows=padded, traced=traced,
+      param_shapes=tuple(np.shape(a) for a in tree_util.tree_leaves(params)),
+      const_shapes=tuple(np.shape(c) for c in traced.const_values),
+      problems=tuple(problems))
+
+
+def run(tile_plan: TilePlan, params, h0, x, counts, *, sort_rows: bool, name: str):
+  """Runs the kernel: orders and pads rows, calls Pallas, restores the order.
+
+  Args:
+    tile_plan: from `plan`, with no problems.
+    params, h0, x: the operands (h0/x leaves [B, ...]).
+    counts: int32 [B], already clipped to [0, max_iters].
+    sort_rows: order rows by descending count before tiling.
+    name: the `pallas_call` name.
+
+  Returns:
+    (h, residual): the final state and float32 [B] rms of each row's last update.
+  """
+  assert not tile_plan.problems, tile_plan.problems
+  batch = counts.shape[0]
+  tb, padded = tile_plan.block_rows, tile_plan.rows
+  if sort_rows:
+    order = rows_lib.descending_order(counts)
+    h0, x, counts = rows_lib.take_rows((h0, x, counts), order)
+  h_in, x_in = rows_lib.pad_rows((h0, x), padded)
+  counts_col = rows_lib.pad_counts(counts, padded).reshape(padded, 1)
+
+  params_leaves, params_tree = tree_util.tree_flatten(params)
+  h_leaves, h_tree = tree_util.tree_flatten(h_in)
+  x_leaves, x_tree = tree_util.tree_flatten(x_in)
+  shared = [jnp.reshape(a, _shared_2d(a))
+            for a in params_leaves + list(tile_plan.traced.const_values)]
+  elems_per_row = sum(int(np.prod(a.shape[1:])) for a in h_leaves)
+
+  def row_spec(a):
+    trailing = (0,) * (a.ndim - 1)
+    return pl.BlockSpec((tb,) + a.shape[1:], lambda i: (i,) + trailing)
+
+  def full_spec(a):
+    return pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
+
+  kernel = functools.partial(
+      _iterate_kernel, spec=tile_plan, trees=(params_tree, h_tree, x_tree),
+      n_ops=(len(params_leaves), len(tile_plan.const_shapes), len(h_leaves), len(x_leaves)),
+      elems_per_row=elems_per_row)
+  residual_col = jax.ShapeDtypeStruct((padded, 1), jnp.float32)
+  outs = pl.pallas_call(
+      kernel,
+      grid=(padded // tb,),
+      in_specs=[row_spec(counts_col), *map(full_spec, shared),
+                *map(row_spec, h_leaves), *map(row_spec, x_leaves)],
+      out_specs=[*map(row_spec, h_leaves), row_spec(residual_col)],
+      out_shape=[*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in h_leaves),
+                 residual_col],
+      compiler_params=tile_plan.backend.compiler_params(tb),
+      interpret=tile_plan.backend.interpret,
+      name=name,
+  )(counts_col, *shared, *h_leaves, *x_leaves)
+  h_out = [a[:batch] for a in outs[:-1]]
+  residual = outs[-1][:batch, 0]
+  if sort_rows:
+    inverse = rows_lib.inverse_permutation(order)
+    h_out, residual = rows_lib.take_rows((h_out, residual), inverse)
+  return tree_util.tree_unflatten(h_tree, h_out), residual

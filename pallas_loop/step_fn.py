@@ -1,0 +1,119 @@
+"""The user's `step` as a closure-free function of explicit operands.
+
+`iterate` calls `step` at several shapes (the whole batch in the XLA
+implementation, one row tile in the kernel) and inside a `custom_vjp` and a
+`pallas_call`, neither of which may capture arrays from the enclosing trace:
+a `custom_vjp` would silently not differentiate them, a Pallas kernel refuses
+them. So the arrays `step` closes over are found once, by tracing it at the
+batch shape (`trace_step`), and passed along as explicit operands (`consts`)
+next to `params`. Every later call (`StepFn.specialize`) retraces `step` at
+the shape at hand and substitutes those operands for the captured values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+from jax import tree_util
+import numpy as np
+
+
+def _aval_of(tree):
+  return tree_util.tree_map(
+      lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.numpy.result_type(a)), tree)
+
+
+def _describe(struct) -> str:
+  return f"{struct.dtype}{list(struct.shape)}"
+
+
+def trace_step(step: Callable, params, h0, x):
+  """Traces `step(params, h0, x)` once at the batch shape.
+
+  Returns:
+    (consts, out_shape): the arrays `step` closes over (tracers of an
+    enclosing trace or concrete arrays), in a stable order, and the pytree
+    of `ShapeDtypeStruct` it returns.
+  """
+  closed, out_shape = jax.make_jaxpr(step, return_shape=True)(
+      _aval_of(params), _aval_of(h0), _aval_of(x))
+  return list(closed.consts), out_shape
+
+
+def check_step_output(out_shape, h0) -> None:
+  """Raises unless `step` returns the structure, shapes and dtypes of `h0`."""
+  h_struct = tree_util.tree_structure(h0)
+  out_struct = tree_util.tree_structure(out_shape)
+  if h_struct != out_struct:
+    raise TypeError(
+        "step(params, h, x) must return the pytree structure of h0; "
+        f"got {out_struct=} for {h_struct=}. Return a new state shaped "
+        "exactly like h (the same containers, the same leaves).")
+  for (path, h_leaf), out_leaf in zip(
+      tree_util.tree_flatten_with_path(h0)[0], tree_util.tree_leaves(out_shape)):
+    want = jax.ShapeDtypeStruct(np.shape(h_leaf), jax.numpy.result_type(h_leaf))
+    if (out_leaf.shape, out_leaf.dtype) != (want.shape, want.dtype):
+      raise TypeError(
+          f"step returned {_describe(out_leaf)} for the state leaf "
+          f"h{tree_util.keystr(path)}, which is {_describe(want)}: step must "
+          "keep every leaf's shape and dtype (cast with .astype(h.dtype) if "
+          "a computation promoted it).")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecializedStep:
+  """`step` traced at one shape: a jaxpr and the operands for its constants.
+
+  Attributes:
+    jaxpr: the closure-free jaxpr of `step(params, h, x)`; its constvars are
+      bound to `const_values`.
+    const_values: one value per constvar: an entry of the caller's `consts`
+      (possibly a tracer of the current trace) or a concrete array.
+    out_tree: the treedef of the new state.
+  """
+
+  jaxpr: Any
+  const_values: tuple
+  out_tree: Any
+
+  def apply(self, const_values, params, h, x):
+    """Evaluates the traced step; `const_values` may be loaded kernel refs."""
+    flat = tree_util.tree_leaves((params, h, x))
+    out = jax.core.eval_jaxpr(self.jaxpr, list(const_values), *flat)
+    return tree_util.tree_unflatten(self.out_tree, out)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFn:
+  """The user's step with its closed-over arrays turned into operands.
+
+  `consts` (the values found by `trace_step`) are identified by object
+  identity; the operands that replace them are passed at each call.
+  """
+
+  step: Callable
+  outer_consts: tuple
+
+  def specialize(self, params, consts, h, x) -> SpecializedStep:
+    """Traces `step` at the shapes of `h`/`x` and maps its captured arrays."""
+    closed, out_shape = jax.make_jaxpr(self.step, return_shape=True)(
+        _aval_of(params), _aval_of(h), _aval_of(x))
+    by_id = {id(c): i for i, c in enumerate(self.outer_consts)}
+    values = []
+    for c in closed.consts:
+      if id(c) in by_id:
+        values.append(consts[by_id[id(c)]])
+      elif isinstance(c, jax.core.Tracer):
+        raise ValueError(
+            "step closes over a traced array that it did not capture when "
+            "traced at the batch shape; pass such arrays through `params`.")
+      else:
+        values.append(c)  # a constant created inside step: safe to pass along
+    return SpecializedStep(closed.jaxpr, tuple(values),
+                           tree_util.tree_structure(out_shape))
+
+  def __call__(self, params, consts, h, x):
+    spec = self.specialize(params, consts, h, x)
+    return spec.apply(spec.const_values, params, h, x)

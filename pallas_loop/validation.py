@@ -1,0 +1,100 @@
+"""Argument checks for `iterate`: every error names the argument and the fix."""
+
+from __future__ import annotations
+
+import operator
+
+import jax
+from jax import tree_util
+import jax.numpy as jnp
+import numpy as np
+
+IMPLEMENTATIONS = (None, "pallas", "xla")
+
+
+def _shape(a) -> tuple[int, ...]:
+  return tuple(np.shape(a))
+
+
+def _dtype(a):
+  return jnp.result_type(a)
+
+
+def check_max_iters(max_iters) -> int:
+  if isinstance(max_iters, bool) or not isinstance(max_iters, (int, np.integer)):
+    raise TypeError(
+        f"max_iters must be a static Python int >= 0, got {max_iters!r} of type "
+        f"{type(max_iters).__name__}; it sizes buffers at trace time, so pass "
+        "a constant (e.g. max_iters=64), not an array.")
+  if max_iters < 0:
+    raise ValueError(f"{max_iters=} must be >= 0.")
+  return int(max_iters)
+
+
+def batch_size(h0, x) -> int:
+  """The shared row count B of every leaf of h0 and x, or a clear error."""
+  h_leaves = tree_util.tree_flatten_with_path(h0)[0]
+  if not h_leaves:
+    raise ValueError("h0 must contain at least one array (leaves [B, ...]); got "
+                     f"an empty pytree {tree_util.tree_structure(h0)}.")
+  rows = {}
+  for name, tree in (("h0", h0), ("x", x)):
+    for path, leaf in tree_util.tree_flatten_with_path(tree)[0]:
+      if not hasattr(leaf, "shape") and not isinstance(leaf, (int, float, complex, bool)):
+        raise TypeError(f"{name}{tree_util.keystr(path)} is a "
+                        f"{type(leaf).__name__}, not an array.")
+      shape = _shape(leaf)
+      if not shape:
+        raise ValueError(
+            f"{name}{tree_util.keystr(path)} has shape {shape}: every leaf of "
+            f"{name} needs a leading row axis [B, ...] (use a[None] for one row).")
+      rows[f"{name}{tree_util.keystr(path)}"] = shape[0]
+  if len(set(rows.values())) > 1:
+    listed = ", ".join(f"{k}: {v}" for k, v in rows.items())
+    raise ValueError(
+        "every leaf of h0 and x must have the same number of rows (axis 0); "
+        f"got {listed}.")
+  return next(iter(rows.values()))
+
+
+def counts_from_iters(iters, batch: int, max_iters: int) -> jax.Array:
+  """int32 [B] step counts: iters broadcast to the batch, clipped to [0, max_iters]."""
+  if isinstance(iters, bool):
+    raise TypeError(f"iters must be an int or an int array, got {iters!r}.")
+  dtype = _dtype(iters)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(
+        f"iters has dtype {dtype}; it must be an integer count (int or int "
+        f"array of shape () or ({batch},)). Round explicitly, e.g. "
+        "iters=jnp.round(n).astype(jnp.int32).")
+  shape = _shape(iters)
+  if shape not in ((), (batch,)):
+    raise ValueError(
+        f"iters.shape={shape} must be () or ({batch},): one count per row of h0.")
+  if isinstance(iters, (int, np.integer)):
+    iters = min(max(int(iters), -1), max_iters + 1)  # no int32 overflow
+  counts = jnp.clip(jnp.asarray(iters), 0, max_iters).astype(jnp.int32)
+  return jnp.broadcast_to(counts, (batch,))
+
+
+def check_options(step, implementation, interpret, block_rows, sort_rows, grad) -> None:
+  if not callable(step):
+    raise TypeError(f"step must be callable as step(params, h, x), got "
+                    f"{type(step).__name__}.")
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}.")
+  if grad != "full":
+    raise ValueError(f"{grad=} is not supported; this version implements "
+                     "grad='full' (exact backpropagation).")
+  if implementation == "xla" and interpret not in (None, False):
+    raise ValueError("interpret= applies to the Pallas kernel; it has no "
+                     "meaning with implementation='xla'.")
+  if block_rows is not None:
+    try:
+      block_rows = operator.index(block_rows)
+    except TypeError:
+      raise TypeError(f"{block_rows=} must be a positive int or None.") from None
+    if block_rows < 1:
+      raise ValueError(f"{block_rows=} must be a positive int or None.")
+  if not isinstance(sort_rows, bool):
+    raise TypeError(f"{sort_rows=} must be a bool.")

@@ -1,0 +1,76 @@
+"""`reference.iterate`: the semantics of `pallas_loop.iterate`, written plainly."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+
+class IterateInfo(NamedTuple):
+  """Per-row statistics, as in `pallas_loop.IterateInfo`."""
+
+  steps: jax.Array     # int32 [B]: steps applied
+  residual: jax.Array  # float32 [B]: rms of the last update, 0 if none
+  halted: jax.Array    # bool [B]: stopped by a criterion (never, here)
+
+
+def iterate(
+    step: Callable[..., Any],
+    params: Any,
+    h0: Any,
+    x: Any = None,
+    *,
+    iters: Any,
+    max_iters: int,
+    return_info: bool = False,
+):
+  """Applies `step` clip(iters[i], 0, max_iters) times to row i of `h0`.
+
+  Args:
+    step: step(params, h, x) -> h_new on all rows at once (row independent).
+    params: pytree shared by every row, or None.
+    h0: pytree of arrays [B, ...].
+    x: pytree of arrays [B, ...], or None.
+    iters: int or int array of shape () or [B].
+    max_iters: static int >= 0: the scan's length.
+    return_info: also return an `IterateInfo`.
+
+  Returns:
+    The final state (and an `IterateInfo` with `return_info=True`).
+
+  Example:
+    >>> reference.iterate(lambda p, h, x: 2 * h, None, jnp.ones((3, 5)),
+    ...                   iters=jnp.array([1, 2, 3]), max_iters=3)[:, 0]
+    Array([2., 4., 8.], dtype=float32)
+  """
+  leaves = jax.tree_util.tree_leaves(h0)
+  batch = leaves[0].shape[0]
+  n = jnp.clip(jnp.broadcast_to(jnp.asarray(iters), (batch,)), 0, max_iters)
+  n = n.astype(jnp.int32)
+  n_elems = sum(int(np.prod(a.shape[1:])) for a in leaves)
+
+  def per_row(mask, leaf):
+    return mask.reshape((batch,) + (1,) * (leaf.ndim - 1))
+
+  def body(carry, t):
+    h, residual = carry
+    h_new = step(params, h, x)
+    active = t < n
+    squares = sum(
+        jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)).reshape(batch, -1), axis=1)
+        for a, b in zip(jax.tree_util.tree_leaves(h_new), jax.tree_util.tree_leaves(h)))
+    residual = jnp.where(active, jnp.sqrt(squares / max(n_elems, 1)), residual)
+    h = jax.tree_util.tree_map(
+        lambda new, old: jnp.where(per_row(active, old), new, old), h_new, h)
+    return (h, residual), None
+
+  init = (h0, jnp.zeros((batch,), jnp.float32))
+  (h, residual), _ = lax.scan(body, init, jnp.arange(max_iters, dtype=jnp.int32))
+  if not return_info:
+    return h
+  return h, IterateInfo(steps=n, residual=lax.stop_gradient(residual),
+                        halted=jnp.zeros((batch,), bool))

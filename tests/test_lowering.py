@@ -1,0 +1,122 @@
+"""Lowering the kernels for cuda (Triton) and tpu (Mosaic) on a CPU machine.
+
+`jax.export` for a platform lowers only that platform's branch; the exported
+module must contain the kernel's custom call, which proves the Pallas path
+(not a fallback) was taken.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_loop
+from benchmarks import blocks
+from pallas_loop import dispatch
+from tests import cases
+from tests import lowering
+from tests.test_forward import _mixed_rank_step
+
+PLATFORMS = ("cuda", "tpu")
+
+
+def _compiled(step, **kw):
+  return lambda p, h, x, n: pallas_loop.iterate(step, p, h, x, iters=n, max_iters=8, **kw)
+
+
+def _fwd_bwd(f):
+  loss = lambda p, h, x, n: cases.tree_sum(f(p, h, x, n))
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("block", ["tanh_rnn", "residual_mlp", "lstm"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_lowers(platform, block, dtype):
+  step, params, h0, x = blocks.make(block, 100, 32, jnp.dtype(dtype))
+  n = jnp.arange(100, dtype=jnp.int32) % 9
+  f = _compiled(step, implementation="pallas", interpret=False)
+  for fn in (f, _fwd_bwd(f)):
+    text = lowering.export_text(fn, params, h0, x, n, platform=platform)
+    assert lowering.kernel_marker(platform) in text
+    assert dispatch.KERNEL_NAME in text
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_mixed_rank_leaves_and_scalar_params_lower(platform):
+  batch = 32
+  params = (jnp.float32(0.8), jnp.ones((16, 16)) * 0.1)
+  state = (jnp.ones((batch,)), jnp.ones((batch, 16)), jnp.ones((batch, 4, 16)))
+  n = jnp.arange(batch, dtype=jnp.int32) % 5
+  f = lambda p, s, n: pallas_loop.iterate(_mixed_rank_step, p, s, iters=n, max_iters=4,
+                                          implementation="pallas", interpret=False,
+                                          block_rows=32 if platform == "tpu" else 16)
+  text = lowering.export_text(f, params, state, n, platform=platform)
+  assert lowering.kernel_marker(platform) in text
+
+
+def test_triton_rule_failure_is_deferred_to_cuda_lowering():
+  """D=24 breaks Triton's power-of-2 rule: cuda export raises, tpu export works."""
+  step, params, h0, x = blocks.make("tanh_rnn", 64, 24)
+  n = jnp.arange(64, dtype=jnp.int32) % 9
+  f = _compiled(step, implementation="pallas", interpret=False)
+  with pytest.raises(ValueError, match=r"power-of-2.*h0 has block shape \(32, 24\).*implementation='xla'"):
+    lowering.export_text(f, params, h0, x, n, platform="cuda")
+  assert lowering.kernel_marker("tpu") in lowering.export_text(f, params, h0, x, n, platform="tpu")
+
+
+def test_tpu_rule_failure_names_the_rule():
+  step, params, h0, x = blocks.make("tanh_rnn", 64, 16)
+  n = jnp.arange(64, dtype=jnp.int32) % 9
+  f = _compiled(step, implementation="pallas", interpret=False, block_rows=12)
+  with pytest.raises(ValueError, match=r"\(8, 128\).*block shape \(12, 16\)"):
+    lowering.export_text(f, params, h0, x, n, platform="tpu")
+
+
+def test_auto_falls_back_with_one_warning():
+  step, params, h0, x = blocks.make("tanh_rnn", 64, 24)
+  n = jnp.arange(64, dtype=jnp.int32) % 9
+  f = _compiled(step)  # implementation=None
+  dispatch._warned.clear()
+  with pytest.warns(UserWarning, match=r"power-of-2.*using the XLA implementation"):
+    text = lowering.export_text(f, params, h0, x, n, platform="cuda")
+  assert lowering.kernel_marker("cuda") not in text
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # a second lowering must not warn again
+    lowering.export_text(f, params, h0, x, n, platform="cuda")
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_auto_picks_the_kernel_when_it_fits(platform):
+  step, params, h0, x = blocks.make("tanh_rnn", 64, 16)
+  n = jnp.arange(64, dtype=jnp.int32) % 9
+  text = lowering.export_text(_compiled(step), params, h0, x, n, platform=platform)
+  assert lowering.kernel_marker(platform) in text
+
+
+def test_auto_on_cpu_is_xla():
+  step, params, h0, x = blocks.make("tanh_rnn", 64, 16)
+  n = jnp.arange(64, dtype=jnp.int32) % 9
+  text = jax.jit(_compiled(step)).lower(params, h0, x, n).as_text()
+  assert dispatch.KERNEL_NAME not in text
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_unsupported_primitive_is_named(platform):
+  step = lambda p, h, x: jnp.sort(h, axis=-1) * 0.5
+  h0 = jnp.ones((32, 16))
+  f = lambda h, n: pallas_loop.iterate(step, None, h, iters=n, max_iters=3,
+                                       implementation="pallas", interpret=False)
+  with pytest.raises(ValueError, match=r"primitive `sort`.*implementation='xla'"):
+    lowering.export_text(f, h0, jnp.ones((32,), jnp.int32), platform=platform)
+
+
+def test_compiled_pallas_on_cpu_says_what_to_do():
+  h0 = jnp.ones((16, 16))
+  f = jax.jit(lambda h: pallas_loop.iterate(lambda p, h, x: h * 0.5, None, h, iters=2, max_iters=3,
+                                            implementation="pallas", interpret=False))
+  with pytest.raises(ValueError, match="interpret=True"):
+    f(h0)

@@ -1,0 +1,28 @@
+"""The benchmark scripts run and agree with the reference (not timed tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import gpu_check
+from benchmarks import harness
+from benchmarks import run
+
+
+def test_every_implementation_agrees_on_a_tiny_case():
+  results = harness.run_case(harness.Case("tanh_rnn", 24, 16, 5, "bimodal"),
+                             list(harness.IMPLEMENTATIONS), repeats=1)
+  assert [r["impl"] for r in results] == list(harness.IMPLEMENTATIONS)
+  assert all(r["ok"] for r in results), results
+  assert results[0]["ideal_speedup"] > 1
+
+
+@pytest.mark.slow
+def test_main_job_exits_zero(capsys):
+  assert run.main(["--repeats", "1"]) == 0
+  assert "vs scan" in capsys.readouterr().out
+
+
+def test_gpu_check_smoke_mode_runs_anywhere(tmp_path):
+  assert gpu_check.main(["--smoke", "--out", str(tmp_path / "r.json")]) == 0
+  assert (tmp_path / "r.json").read_text().count('"impl"') == 8

@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 import jax
 from jax import lax
-import jax.numpy as jnp
 
 from pallas_loop import dispatch
 from pallas_loop import info as info_lib
+from pallas_loop import masking
 from pallas_loop import step_fn as step_fn_lib
 from pallas_loop import validation
 from pallas_loop import vjp_full
@@ -29,6 +29,9 @@ def iterate(
     *,
     iters: Any,
     max_iters: int,
+    tol: Any = None,
+    halt: Callable[..., Any] | None = None,
+    min_iters: Any = 0,
     grad: str = "full",
     implementation: str | None = None,
     interpret: Any = None,
@@ -58,6 +61,16 @@ def iterate(
     iters: int, or int array of shape () or [B]; may be traced (one
       compilation serves every count). Clipped to [0, max_iters].
     max_iters: static Python int >= 0, the largest count.
+    tol: halt a row after the first step whose update has
+      `rms(h_new - h) <= tol`, the rms over all state elements of the row,
+      in float32. A float, or a float scalar array (may be traced). The step
+      that met it is kept. A non-finite update never meets it (NaN compares
+      false): such a row runs to its budget and reports a NaN residual.
+    halt: `halt(params, h_new, h, x) -> bool [rows]`: a custom criterion
+      evaluated on each update, same timing rule, OR-ed with `tol`. See
+      `pallas_loop.halting` for ready ones. Counts as the step budget still
+      caps every row.
+    min_iters: int (static or traced): no halting before this many steps.
     grad: "full": exact backpropagation through every applied step.
     implementation: None (auto: the Pallas kernel on GPU/TPU when the step
       fits its rules, else XLA with a one-time warning saying why; XLA on
@@ -74,7 +87,10 @@ def iterate(
 
   Returns:
     The final state, with the structure, shapes and dtypes of `h0`; with
-    `return_info=True`, `(h, IterateInfo(steps, residual, halted))`.
+    `return_info=True`, `(h, IterateInfo(steps, residual, halted))`: steps
+    applied, rms of the last update, and whether a criterion (not the
+    budget) stopped the row. Halting decisions are data: gradients flow
+    through the steps each row actually applied.
 
   Example:
     >>> import jax.numpy as jnp, pallas_loop
@@ -87,40 +103,50 @@ def iterate(
   max_iters = validation.check_max_iters(max_iters)
   batch = validation.batch_size(h0, x)
   counts = validation.counts_from_iters(iters, batch, max_iters)
-  consts, out_shape = step_fn_lib.trace_step(step, params, h0, x)
-  step_fn_lib.check_step_output(out_shape, h0)
-  fn = step_fn_lib.StepFn(step, tuple(consts))
+  halting_ops = validation.halting_operands(tol, halt, min_iters)
+  body = step_fn_lib.with_halt(step, halt)
+  consts, (h_shape, flag_shape) = step_fn_lib.trace_step(body, params, h0, x)
+  step_fn_lib.check_step_output(h_shape, h0)
+  step_fn_lib.check_halt_output(flag_shape, batch)
+  fn = step_fn_lib.StepFn(body, tuple(consts))
 
+  halting = None
+  if halting_ops is not None:
+    halting = masking.Halting(tol=None if tol is None else True, min_iters=None,
+                              use_flag=halt is not None)
   forward = dispatch.forward_fn(
       fn, implementation=implementation, interpret=interpret,
-      block_rows=block_rows, sort_rows=sort_rows)
-  h, residual = _with_custom_vjp(forward, fn, max_iters)(
-      params, consts, h0, x, counts)
+      block_rows=block_rows, sort_rows=sort_rows, halting=halting)
+  h, residual, steps, halted = _with_custom_vjp(forward, fn, max_iters)(
+      params, consts, h0, x, counts, halting_ops)
   if not return_info:
     return h
-  info = info_lib.IterateInfo(
-      steps=counts, residual=lax.stop_gradient(residual),
-      halted=jnp.zeros((batch,), bool))
-  return h, info
+  return h, info_lib.IterateInfo(steps=steps, residual=lax.stop_gradient(residual),
+                                 halted=halted)
 
 
 def _with_custom_vjp(forward, fn, max_iters):
-  """`forward` as a custom_vjp over (params, consts, h0, x, counts)."""
+  """`forward` as a custom_vjp over (params, consts, h0, x, counts, halting_ops).
+
+  The backward needs only the steps each row applied (saved from the
+  forward), not the halting decisions: it replays exactly those steps.
+  """
 
   @jax.custom_vjp
-  def run(params, consts, h0, x, counts):
-    return forward(params, consts, h0, x, counts)
+  def run(params, consts, h0, x, counts, halting_ops):
+    return forward(params, consts, h0, x, counts, halting_ops)
 
-  def run_fwd(params, consts, h0, x, counts):
-    return forward(params, consts, h0, x, counts), (params, consts, h0, x, counts)
+  def run_fwd(params, consts, h0, x, counts, halting_ops):
+    out = forward(params, consts, h0, x, counts, halting_ops)
+    return out, (params, consts, h0, x, out[2])
 
   def run_bwd(saved, cotangents):
-    params, consts, h0, x, counts = saved
-    g_h, _ = cotangents  # the residual output is not differentiated
-    step = lambda shared, h, x_: fn(shared[0], shared[1], h, x_)
+    params, consts, h0, x, steps = saved
+    g_h = cotangents[0]  # residual, steps and halted are not differentiated
+    step = lambda shared, h, x_: fn(shared[0], shared[1], h, x_)[0]
     (g_params, g_consts), g_h0, g_x = vjp_full.backward(
-        step, (params, consts), h0, x, counts, max_iters, g_h)
-    return g_params, g_consts, g_h0, g_x, None
+        step, (params, consts), h0, x, steps, max_iters, g_h)
+    return g_params, g_consts, g_h0, g_x, None, None
 
   run.defvjp(run_fwd, run_bwd)
   return run

@@ -18,7 +18,6 @@ import functools
 from typing import Any
 
 import jax
-from jax import lax
 from jax import tree_util
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
@@ -30,48 +29,48 @@ from pallas_loop import rows as rows_lib
 from pallas_loop import step_fn as step_fn_lib
 
 
-def _iterate_kernel(counts_ref, *refs, spec, trees, n_ops, elems_per_row):
+def _iterate_kernel(counts_ref, *refs, spec, trees, n_ops, halting, elems_per_row):
   """The kernel body. Refs, in order:
 
-  counts_ref: int32 [TB, 1]    the tile's step counts
-  shared refs: full blocks     params leaves, then the step's constants
-  h refs: [TB, ...]            initial state leaves
-  x refs: [TB, ...]            input leaves
-  out h refs: [TB, ...]        final state leaves
-  out residual ref: f32 [TB, 1]
+  counts_ref: int32 [TB, 1]      the tile's step budgets
+  shared refs: full blocks       params leaves, then the step's constants
+                                 (0-d operands travel as [1, 1])
+  halting refs: [1, 1]           tol (float32, if given), min_iters (int32)
+  h refs: [TB, ...]              initial state leaves
+  x refs: [TB, ...]              input leaves
+  out h refs: [TB, ...]          final state leaves
+  out residual_ref: f32 [TB, 1]  rms of each row's last update
+  out steps_ref: i32 [TB, 1]     steps applied
+  out halted_ref: i32 [TB, 1]    1 where a criterion stopped the row
   """
   n_params, n_consts, n_h, n_x = n_ops
   params_tree, h_tree, x_tree = trees
   it = iter(refs)
   params_refs = [next(it) for _ in range(n_params)]
   const_refs = [next(it) for _ in range(n_consts)]
+  if halting is not None:
+    tol = next(it)[...] if halting.tol is not None else None
+    halting = halting._replace(tol=tol, min_iters=next(it)[...])
   h_refs = [next(it) for _ in range(n_h)]
   x_refs = [next(it) for _ in range(n_x)]
   h_out_refs = [next(it) for _ in range(n_h)]
-  residual_ref = next(it)
+  residual_ref, steps_ref, halted_ref = next(it), next(it), next(it)
 
   def load(ref, shape):
-    return ref[...].reshape(shape)  # 0-d operands travel as (1, 1)
+    return ref[...].reshape(shape)
 
   params = tree_util.tree_unflatten(
       params_tree, [load(r, s) for r, s in zip(params_refs, spec.param_shapes)])
   consts = [load(r, s) for r, s in zip(const_refs, spec.const_shapes)]
   x = tree_util.tree_unflatten(x_tree, [r[...] for r in x_refs])
   h = tree_util.tree_unflatten(h_tree, [r[...] for r in h_refs])
-  counts = counts_ref[...]
-  apply_step = lambda p, h, x: spec.traced.apply(consts, p, h, x)
-
-  def body(t, carry):
-    h, residual = carry
-    active = t < counts
-    h, rms = masking.masked_step(apply_step, params, h, x, active, elems_per_row)
-    return h, jnp.where(active, rms, residual)
-
-  residual = jnp.zeros(counts.shape, jnp.float32)
-  h, residual = lax.fori_loop(0, jnp.max(counts), body, (h, residual))
-  for ref, leaf in zip(h_out_refs, tree_util.tree_leaves(h)):
+  body = lambda p, h, x: spec.traced.apply(consts, p, h, x)
+  state = masking.run_loop(body, params, h, x, counts_ref[...], halting, elems_per_row)
+  for ref, leaf in zip(h_out_refs, tree_util.tree_leaves(state.h)):
     ref[...] = leaf
-  residual_ref[...] = residual
+  residual_ref[...] = state.residual
+  steps_ref[...] = state.steps
+  halted_ref[...] = state.halted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,18 +131,27 @@ def plan(backend, step_fn, params, consts, h0, x, block_rows=None) -> TilePlan:
       problems=tuple(problems))
 
 
-def run(tile_plan: TilePlan, params, h0, x, counts, *, sort_rows: bool, name: str):
+def _operand_markers(halting):
+  """`halting` with its arrays replaced by markers: they arrive as kernel refs."""
+  if halting is None:
+    return None
+  return halting._replace(tol=None if halting.tol is None else "ref", min_iters="ref")
+
+
+def run(tile_plan: TilePlan, params, h0, x, counts, halting, *, sort_rows: bool,
+        name: str):
   """Runs the kernel: orders and pads rows, calls Pallas, restores the order.
 
   Args:
     tile_plan: from `plan`, with no problems.
     params, h0, x: the operands (h0/x leaves [B, ...]).
     counts: int32 [B], already clipped to [0, max_iters].
+    halting: None or `masking.Halting` (tol/min_iters as scalars).
     sort_rows: order rows by descending count before tiling.
     name: the `pallas_call` name.
 
   Returns:
-    (h, residual): the final state and float32 [B] rms of each row's last update.
+    (h, residual, steps, halted): the final state; float32, int32, bool [B].
   """
   assert not tile_plan.problems, tile_plan.problems
   batch = counts.shape[0]
@@ -160,6 +168,11 @@ def run(tile_plan: TilePlan, params, h0, x, counts, *, sort_rows: bool, name: st
   shared = [jnp.reshape(a, _shared_2d(a))
             for a in params_leaves + list(tile_plan.traced.const_values)]
   elems_per_row = sum(int(np.prod(a.shape[1:])) for a in h_leaves)
+  halting_ops = []
+  if halting is not None:
+    if halting.tol is not None:
+      halting_ops.append(jnp.asarray(halting.tol, jnp.float32).reshape(1, 1))
+    halting_ops.append(jnp.asarray(halting.min_iters, jnp.int32).reshape(1, 1))
 
   def row_spec(a):
     trailing = (0,) * (a.ndim - 1)
@@ -171,23 +184,24 @@ def run(tile_plan: TilePlan, params, h0, x, counts, *, sort_rows: bool, name: st
   kernel = functools.partial(
       _iterate_kernel, spec=tile_plan, trees=(params_tree, h_tree, x_tree),
       n_ops=(len(params_leaves), len(tile_plan.const_shapes), len(h_leaves), len(x_leaves)),
-      elems_per_row=elems_per_row)
-  residual_col = jax.ShapeDtypeStruct((padded, 1), jnp.float32)
+      halting=_operand_markers(halting), elems_per_row=elems_per_row)
+  column = lambda dtype: jax.ShapeDtypeStruct((padded, 1), dtype)
+  stats = [column(jnp.float32), column(jnp.int32), column(jnp.int32)]
   outs = pl.pallas_call(
       kernel,
       grid=(padded // tb,),
-      in_specs=[row_spec(counts_col), *map(full_spec, shared),
+      in_specs=[row_spec(counts_col), *map(full_spec, shared + halting_ops),
                 *map(row_spec, h_leaves), *map(row_spec, x_leaves)],
-      out_specs=[*map(row_spec, h_leaves), row_spec(residual_col)],
-      out_shape=[*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in h_leaves),
-                 residual_col],
+      out_specs=[*map(row_spec, h_leaves), *map(row_spec, stats)],
+      out_shape=[*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in h_leaves), *stats],
       compiler_params=tile_plan.backend.compiler_params(tb),
       interpret=tile_plan.backend.interpret,
       name=name,
-  )(counts_col, *shared, *h_leaves, *x_leaves)
-  h_out = [a[:batch] for a in outs[:-1]]
-  residual = outs[-1][:batch, 0]
+  )(counts_col, *shared, *halting_ops, *h_leaves, *x_leaves)
+  h_out = [a[:batch] for a in outs[:-3]]
+  residual, steps, halted = (a[:batch, 0] for a in outs[-3:])
   if sort_rows:
     inverse = rows_lib.inverse_permutation(order)
-    h_out, residual = rows_lib.take_rows((h_out, residual), inverse)
-  return tree_util.tree_unflatten(h_tree, h_out), residual
+    h_out, residual, steps, halted = rows_lib.take_rows(
+        (h_out, residual, steps, halted), inverse)
+  return tree_util.tree_unflatten(h_tree, h_out), residual, steps, halted > 0

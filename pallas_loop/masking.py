@@ -1,17 +1,45 @@
-"""One masked step of the recurrence, shared by the kernel and the XLA path.
+"""The masked loop over steps, shared by the kernel and the XLA implementation.
 
-Written with the operations both Pallas backends lower (where, broadcast,
-reductions over trailing axes, no reshapes of 2-D-or-more values), so the
-kernel and the XLA implementation run literally the same step logic.
-Rows are the leading axis; a row predicate travels as bool [R, 1].
+Written with operations both Pallas backends lower (where, broadcasts,
+reductions over trailing axes, int flags instead of boolean reductions, which
+Triton lacks), so the kernel and the XLA path run literally the same logic.
+Rows are the leading axis; a per-row quantity travels as [R, 1].
+
+Per row, a step is applied while the row is *running*: its count is not spent
+and no halting criterion has fired. With halting, the step after which the
+criterion holds (once at least `min_iters` steps have been applied) is kept
+and is the row's last. The loop ends when no row is running.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
 from jax import tree_util
 import jax.numpy as jnp
+
+
+class Halting(NamedTuple):
+  """Halting operands, as arrays broadcastable against [R, 1].
+
+  tol: float32, or None (no tolerance test). use_flag: whether the body
+  returns a criterion flag (`halt=`). min_iters: int32.
+  """
+
+  tol: Any
+  min_iters: Any
+  use_flag: bool
+
+
+class LoopState(NamedTuple):
+  """Per-row loop state: h leaves [R, ...]; the rest [R, 1]."""
+
+  h: Any
+  residual: jax.Array  # float32: rms of the last applied update
+  steps: jax.Array     # int32: steps applied
+  halted: jax.Array    # int32 0/1: a criterion stopped the row
 
 
 def row_mask(active: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -31,17 +59,64 @@ def row_sum_squares(d: jax.Array) -> jax.Array:
   return jnp.sum(d, axis=1, keepdims=True)
 
 
-def masked_step(apply_step, shared, h, x, active, elems_per_row):
-  """One step for a group of rows: rows with `active` False keep their state.
-
-  Returns:
-    (h, rms): the new state and, per row, the rms of this step's update as
-    float32 [R, 1] (meaningful only where `active`).
-  """
-  h_new = apply_step(shared, h, x)
+def update_rms(h_new, h, elems_per_row: int) -> jax.Array:
+  """[R, 1] float32 rms over all state elements of the row of `h_new - h`."""
   ss = sum(row_sum_squares(n.astype(jnp.float32) - o.astype(jnp.float32))
            for n, o in zip(tree_util.tree_leaves(h_new), tree_util.tree_leaves(h)))
-  rms = jnp.sqrt(ss * (1.0 / max(elems_per_row, 1)))
-  h = tree_util.tree_map(lambda n, o: jnp.where(row_mask(active, o.shape), n, o),
-                         h_new, h)
-  return h, rms
+  return jnp.sqrt(ss * (1.0 / max(elems_per_row, 1)))
+
+
+def select_rows(active, new, old):
+  """Per leaf: rows where `active` ([R, 1]) from `new`, others from `old`."""
+  return tree_util.tree_map(lambda n, o: jnp.where(row_mask(active, o.shape), n, o), new, old)
+
+
+def _as_column(flag: jax.Array, rows: int) -> jax.Array:
+  """A user's criterion, bool [R] or [R, 1], as bool [R, 1]."""
+  return flag.astype(jnp.int32).reshape(rows, 1) > 0
+
+
+def run_loop(body, params, h, x, counts, halting: Halting | None,
+             elems_per_row: int) -> LoopState:
+  """Runs `body` on the rows until none is running.
+
+  Args:
+    body: body(params, h, x) -> (h_new, flag); flag is None or bool [R]/[R, 1]
+      (the user's halt criterion evaluated on this update).
+    params, h, x: operands; h/x leaves [R, ...].
+    counts: int32 [R, 1], the step budgets, already in [0, max_iters].
+    halting: None (apply exactly `counts` steps) or the halting operands.
+    elems_per_row: state elements per row, for the rms.
+
+  Returns:
+    The final `LoopState`.
+  """
+  rows = counts.shape[0]
+
+  def step(carry):
+    t, _, s = carry
+    running = (t < counts) & (s.halted == 0)
+    h_new, flag = body(params, s.h, x)
+    rms = update_rms(h_new, s.h, elems_per_row)
+    halted = s.halted
+    if halting is not None:
+      met = jnp.zeros_like(running)
+      if halting.tol is not None:
+        met = met | (rms <= halting.tol)  # NaN never converges
+      if halting.use_flag:
+        met = met | _as_column(flag, rows)
+      stop = running & met & (t + 1 >= halting.min_iters)
+      halted = jnp.where(stop, 1, halted)
+    new = LoopState(
+        h=select_rows(running, h_new, s.h),
+        residual=jnp.where(running, rms, s.residual),
+        steps=s.steps + running.astype(jnp.int32),
+        halted=halted)
+    live = jnp.max(((t + 1 < counts) & (halted == 0)).astype(jnp.int32))
+    return t + 1, live, new
+
+  init = LoopState(h, jnp.zeros(counts.shape, jnp.float32),
+                   jnp.zeros(counts.shape, jnp.int32), jnp.zeros(counts.shape, jnp.int32))
+  live = jnp.max((counts > 0).astype(jnp.int32))
+  _, _, state = lax.while_loop(lambda c: c[1] > 0, step, (jnp.int32(0), live, init))
+  return state

@@ -29,6 +29,33 @@ def _describe(struct) -> str:
   return f"{struct.dtype}{list(struct.shape)}"
 
 
+def with_halt(step: Callable, halt: Callable | None) -> Callable:
+  """The loop body: `(params, h, x) -> (h_new, flag)`, flag = halt(...) or None.
+
+  Tracing step and criterion as one function hoists both one's closed-over
+  arrays, and lets the kernel evaluate the criterion on the fresh update.
+  """
+
+  def body(params, h, x):
+    h_new = step(params, h, x)
+    return h_new, (None if halt is None else halt(params, h_new, h, x))
+
+  return body
+
+
+def check_halt_output(flag_shape, batch: int) -> None:
+  """Raises unless `halt` returned bool [B] (or [B, 1])."""
+  if flag_shape is None:
+    return
+  if (not isinstance(flag_shape, jax.ShapeDtypeStruct)
+      or flag_shape.shape not in ((batch,), (batch, 1)) or flag_shape.dtype != bool):
+    got = _describe(flag_shape) if isinstance(flag_shape, jax.ShapeDtypeStruct) else flag_shape
+    raise TypeError(
+        f"halt(params, h_new, h, x) must return bool[{batch}], one flag per row; "
+        f"got {got}. Reduce over the non-row axes, e.g. "
+        "jnp.max(jnp.abs(h_new - h), axis=-1) < 1e-3.")
+
+
 def trace_step(step: Callable, params, h0, x):
   """Traces `step(params, h0, x)` once at the batch shape.
 

@@ -77,6 +77,36 @@ def counts_from_iters(iters, batch: int, max_iters: int) -> jax.Array:
   return jnp.broadcast_to(counts, (batch,))
 
 
+def halting_operands(tol, halt, min_iters):
+  """(tol, min_iters) as float32/int32 0-d arrays, after checking them.
+
+  Returns None when neither `tol` nor `halt` is given (no halting).
+  """
+  if halt is not None and not callable(halt):
+    raise TypeError(f"halt must be callable as halt(params, h_new, h, x) -> bool[rows], "
+                    f"got {type(halt).__name__}.")
+  if isinstance(min_iters, bool) or not jnp.issubdtype(_dtype(min_iters), jnp.integer):
+    raise TypeError(f"min_iters must be an int (or int scalar array), got {min_iters!r}.")
+  if _shape(min_iters) != ():
+    raise ValueError(f"min_iters.shape={_shape(min_iters)} must be (): one minimum for all rows.")
+  if isinstance(min_iters, (int, np.integer)) and min_iters < 0:
+    raise ValueError(f"{min_iters=} must be >= 0.")
+  if tol is not None:
+    if isinstance(tol, bool) or not jnp.issubdtype(_dtype(tol), jnp.number) \
+        or jnp.issubdtype(_dtype(tol), jnp.complexfloating):
+      raise TypeError(f"tol must be a real number (rms of the update), got {tol!r}.")
+    if _shape(tol) != ():
+      raise ValueError(f"tol.shape={_shape(tol)} must be (): one tolerance for all rows.")
+    if isinstance(tol, (int, float, np.number)) and not tol >= 0:
+      raise ValueError(f"{tol=} must be >= 0 (a row halts once rms(h_new - h) <= tol).")
+  if tol is None and halt is None:
+    return None
+  tol_op = None if tol is None else jnp.asarray(tol).astype(jnp.float32)
+  min_op = jnp.asarray(min(int(min_iters), 2**31 - 1)
+                       if isinstance(min_iters, (int, np.integer)) else min_iters).astype(jnp.int32)
+  return tol_op, min_op
+
+
 def check_options(step, implementation, interpret, block_rows, sort_rows, grad) -> None:
   if not callable(step):
     raise TypeError(f"step must be callable as step(params, h, x), got "

@@ -15,7 +15,7 @@ class IterateInfo(NamedTuple):
 
   steps: jax.Array     # int32 [B]: steps applied
   residual: jax.Array  # float32 [B]: rms of the last update, 0 if none
-  halted: jax.Array    # bool [B]: stopped by a criterion (never, here)
+  halted: jax.Array    # bool [B]: a criterion, not the budget, stopped the row
 
 
 def iterate(
@@ -26,6 +26,9 @@ def iterate(
     *,
     iters: Any,
     max_iters: int,
+    tol: Any = None,
+    halt: Callable[..., Any] | None = None,
+    min_iters: Any = 0,
     return_info: bool = False,
 ):
   """Applies `step` clip(iters[i], 0, max_iters) times to row i of `h0`.
@@ -37,6 +40,12 @@ def iterate(
     x: pytree of arrays [B, ...], or None.
     iters: int or int array of shape () or [B].
     max_iters: static int >= 0: the scan's length.
+    tol: a row halts after the first step t (1-based) with t >= min_iters
+      whose update has rms(h_new - h) <= tol (float32 rms over all state
+      elements of the row); that step is kept. None: no tolerance test.
+    halt: halt(params, h_new, h, x) -> bool [B], the same timing rule, OR-ed
+      with tol.
+    min_iters: no halting before this many steps.
     return_info: also return an `IterateInfo`.
 
   Returns:
@@ -57,20 +66,28 @@ def iterate(
     return mask.reshape((batch,) + (1,) * (leaf.ndim - 1))
 
   def body(carry, t):
-    h, residual = carry
+    h, residual, steps, halted = carry
     h_new = step(params, h, x)
-    active = t < n
+    active = (t < n) & ~halted
     squares = sum(
         jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)).reshape(batch, -1), axis=1)
         for a, b in zip(jax.tree_util.tree_leaves(h_new), jax.tree_util.tree_leaves(h)))
-    residual = jnp.where(active, jnp.sqrt(squares / max(n_elems, 1)), residual)
+    rms = jnp.sqrt(squares / max(n_elems, 1))
+    met = jnp.zeros((batch,), bool)
+    if tol is not None:
+      met = met | (rms <= tol)
+    if halt is not None:
+      met = met | jnp.reshape(halt(params, h_new, h, x), (batch,))
+    halted = halted | (active & met & (t + 1 >= min_iters))
+    residual = jnp.where(active, rms, residual)
+    steps = steps + active.astype(jnp.int32)
     h = jax.tree_util.tree_map(
         lambda new, old: jnp.where(per_row(active, old), new, old), h_new, h)
-    return (h, residual), None
+    return (h, residual, steps, halted), None
 
-  init = (h0, jnp.zeros((batch,), jnp.float32))
-  (h, residual), _ = lax.scan(body, init, jnp.arange(max_iters, dtype=jnp.int32))
+  init = (h0, jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.int32),
+          jnp.zeros((batch,), bool))
+  (h, residual, steps, halted), _ = lax.scan(body, init, jnp.arange(max_iters, dtype=jnp.int32))
   if not return_info:
     return h
-  return h, IterateInfo(steps=n, residual=lax.stop_gradient(residual),
-                        halted=jnp.zeros((batch,), bool))
+  return h, IterateInfo(steps=steps, residual=lax.stop_gradient(residual), halted=halted)

@@ -17,6 +17,8 @@ def _shape(a) -> tuple[int, ...]:
 
 
 def _dtype(a):
+  if isinstance(a, str):  # jnp.result_type would read it as a dtype name
+    return np.dtype(object)
   return jnp.result_type(a)
 
 

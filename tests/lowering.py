@@ -17,9 +17,12 @@ with warnings.catch_warnings():
   warnings.simplefilter("ignore", DeprecationWarning)
   from jax.experimental.pallas import triton as pl_triton
 
+# Public from JAX 0.11; the same string before.
+TRITON_CALL = getattr(pl_triton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+
 TARGETS = {
     # platform: (abstract device kind, device platform, text proving the kernel)
-    "cuda": ("NVIDIA H200", "gpu", pl_triton.CUSTOM_CALL_TARGET_NAME),
+    "cuda": ("NVIDIA H200", "gpu", TRITON_CALL),
     "tpu": ("TPU v5 lite", "tpu", "tpu_custom_call"),
 }
 
@@ -35,8 +38,7 @@ def export_text(fn, *args, platform: str) -> str:
   with jax.sharding.use_abstract_mesh(mesh):
     exported = export.export(
         jax.jit(fn), platforms=[platform],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(
-            pl_triton.CUSTOM_CALL_TARGET_NAME)])(*args)
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
   return exported.mlir_module()
 
 

@@ -1,0 +1,112 @@
+"""Ready halting criteria for `iterate(..., halt=...)`.
+
+A criterion is `halt(params, h_new, h, x) -> bool [rows]`, evaluated on every
+update; a row halts after the first update that meets it (once `min_iters`
+steps have been applied). The criteria here use only row-wise arithmetic and
+reductions over trailing axes, so they run inside the Pallas kernels too.
+`tol=` of `iterate` is the absolute test `rms(h_new - h) <= tol`; these cover
+the other common cases.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from jax import tree_util
+import jax.numpy as jnp
+import numpy as np
+
+Criterion = Callable[[Any, Any, Any, Any], jax.Array]
+
+
+def _row_sum(a: jax.Array) -> jax.Array:
+  """[R, ...] -> [R]: sum over the trailing axes, one at a time (lowers everywhere)."""
+  while a.ndim > 1:
+    a = jnp.sum(a, axis=-1)
+  return a
+
+
+def row_rms(tree) -> jax.Array:
+  """float32 [R]: root-mean-square over all elements of each row of `tree`."""
+  leaves = tree_util.tree_leaves(tree)
+  n = sum(int(np.prod(a.shape[1:])) for a in leaves)
+  squares = sum(_row_sum(jnp.square(a.astype(jnp.float32))) for a in leaves)
+  return jnp.sqrt(squares * (1.0 / max(n, 1)))
+
+
+def relative_change(rtol: float, atol: float = 0.0) -> Criterion:
+  """Halts a row once `rms(h_new - h) <= rtol * rms(h) + atol`.
+
+  Scale-free convergence, for states whose magnitude varies across rows.
+  The rms is over all state elements of the row, in float32.
+
+  Args:
+    rtol: relative tolerance (>= 0).
+    atol: absolute floor (>= 0), so a state converging to 0 still halts.
+
+  Returns:
+    A criterion for `iterate(..., halt=...)`.
+
+  Example:
+    >>> h = pallas_loop.iterate(step, params, h0, x, iters=100, max_iters=100,
+    ...                         halt=pallas_loop.halting.relative_change(1e-3))
+  """
+  if not (rtol >= 0 and atol >= 0):
+    raise ValueError(f"{rtol=} and {atol=} must be >= 0.")
+
+  def halt(params, h_new, h, x):
+    del params, x
+    diff = tree_util.tree_map(lambda a, b: a.astype(jnp.float32) - b.astype(jnp.float32),
+                              h_new, h)
+    return row_rms(diff) <= rtol * row_rms(h) + atol
+
+  return halt
+
+
+def below(score: Callable[[Any, Any, Any, Any], jax.Array], threshold: float) -> Criterion:
+  """Halts a row once a per-row score of the update is <= threshold.
+
+  Turns any per-row scalar you compute from an update into a criterion:
+  e.g. the KL divergence between the output distributions of successive
+  steps (PonderNet/ACT-style exits), or a task-specific confidence gap.
+
+  Args:
+    score: score(params, h_new, h, x) -> float [rows]. Must be row-wise and
+      lowerable inside the kernel (see `iterate`).
+    threshold: the row halts when score <= threshold (NaN never halts).
+
+  Returns:
+    A criterion for `iterate(..., halt=...)`.
+
+  Example:
+    >>> def kl(params, h_new, h, x):         # successive softmax outputs
+    ...   p, q = jax.nn.log_softmax(h_new @ params), jax.nn.log_softmax(h @ params)
+    ...   return jnp.sum(jnp.exp(p) * (p - q), axis=-1)
+    >>> halt = pallas_loop.halting.below(kl, 1e-4)
+  """
+
+  def halt(params, h_new, h, x):
+    s = score(params, h_new, h, x)
+    return s.reshape(s.shape[0]) <= threshold
+
+  return halt
+
+
+def any_of(*criteria: Criterion) -> Criterion:
+  """Halts a row when any of `criteria` holds (e.g. converged OR confident).
+
+  Example:
+    >>> halt = halting.any_of(halting.relative_change(1e-3), halting.below(kl, 1e-4))
+  """
+  if not criteria:
+    raise ValueError("any_of needs at least one criterion.")
+
+  def halt(params, h_new, h, x):
+    flags = [c(params, h_new, h, x) for c in criteria]
+    out = flags[0]
+    for f in flags[1:]:
+      out = out | f
+    return out
+
+  return halt

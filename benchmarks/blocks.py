@@ -49,6 +49,12 @@ def lstm(params, state, x):
   return h_new.astype(h.dtype), c_new.astype(c.dtype)
 
 
+def deq(params, h, x):
+  """A deep-equilibrium layer h <- tanh(h W + x U) (W a contraction). 4 D^2."""
+  w, u = params
+  return jnp.tanh(_mm(h, w) + _mm(x, u)).astype(h.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Block:
   """A block with what benchmarks need to count its work."""
@@ -62,6 +68,7 @@ BLOCKS = {
     "tanh_rnn": Block("tanh_rnn", tanh_rnn, lambda d: 4 * d * d),
     "residual_mlp": Block("residual_mlp", residual_mlp, lambda d: 16 * d * d),
     "lstm": Block("lstm", lstm, lambda d: 16 * d * d),
+    "deq": Block("deq", deq, lambda d: 4 * d * d),
 }
 
 
@@ -80,6 +87,11 @@ def make(name: str, batch: int, d: int, dtype=jnp.float32, key=None):
     # Small residual branch: 64 steps stay O(1).
     params = (normal(keys[2], (d, 4 * d)), (0.05 * normal(keys[3], (4 * d, d))).astype(dtype))
     x = (0.01 * x.astype(jnp.float32)).astype(dtype)
+  elif name == "deq":
+    # Per-row input scale spreads the convergence speed across rows.
+    params = (normal(keys[2], (d, d)), normal(keys[3], (d, d)) / 0.9)
+    x = (x.astype(jnp.float32) * jnp.linspace(0.1, 3.0, batch)[:, None]).astype(dtype)
+    h0 = jnp.zeros((batch, d), dtype)
   elif name == "lstm":
     params = (tuple(normal(keys[2 + i], (d, d)) for i in range(4)),
               tuple(normal(keys[6 + i], (d, d)) for i in range(4)))

@@ -32,17 +32,27 @@ import reference
 from benchmarks import blocks
 
 
-def vmap_while(step, params, h0, x, *, iters, max_iters):
-  """jax.vmap of a per-row while_loop: the other baseline users reach for."""
+def vmap_while(step, params, h0, x, *, iters, max_iters, tol=None):
+  """jax.vmap of a per-row while_loop: the other baseline users reach for.
+
+  With `tol`, a row's loop also ends once rms(h_new - h) <= tol.
+  """
   n = jnp.clip(jnp.broadcast_to(iters, (jax.tree.leaves(h0)[0].shape[0],)), 0, max_iters)
 
   def one_row(h, x_row, n_row):
     def body(carry):
-      t, h = carry
+      t, h, _ = carry
       h_new = step(params, jax.tree.map(lambda a: a[None], h),
                    jax.tree.map(lambda a: a[None], x_row))
-      return t + 1, jax.tree.map(lambda a: a[0], h_new)
-    return lax.while_loop(lambda c: c[0] < n_row, body, (0, h))[1]
+      h_new = jax.tree.map(lambda a: a[0], h_new)
+      done = jnp.bool_(False)
+      if tol is not None:
+        diffs = [jnp.ravel(a.astype(jnp.float32) - b.astype(jnp.float32))
+                 for a, b in zip(jax.tree.leaves(h_new), jax.tree.leaves(h))]
+        done = jnp.sqrt(jnp.mean(jnp.square(jnp.concatenate(diffs)))) <= tol
+      return t + 1, h_new, done
+    cond = lambda c: (c[0] < n_row) & ~c[2]
+    return lax.while_loop(cond, body, (0, h, jnp.bool_(False)))[1]
 
   return jax.vmap(one_row)(h0, x, n)
 
@@ -70,17 +80,21 @@ def count_distribution(name: str, batch: int, max_iters: int, seed: int = 0) -> 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
+  """A workload. With `tol`, rows also halt on convergence (counts = budgets)."""
+
   block: str
   batch: int
   d: int
   max_iters: int
   counts: str
   dtype: str = "float32"
+  tol: float | None = None
 
   @property
   def label(self) -> str:
+    halting = f" tol={self.tol:g}" if self.tol is not None else ""
     return (f"{self.block} B={self.batch} D={self.d} T={self.max_iters} "
-            f"{self.counts} {self.dtype}")
+            f"{self.counts}{halting} {self.dtype}")
 
 
 def median_seconds(fn, *args, repeats: int = 5) -> float:
@@ -110,6 +124,10 @@ def run_case(case: Case, impls, repeats: int, seed: int = 0) -> list[dict]:
                                     jax.random.key(seed))
   n = count_distribution(case.counts, case.batch, case.max_iters, seed)
   iters = jnp.asarray(n)
+  halting = {} if case.tol is None else dict(tol=case.tol)
+  if case.tol is not None:  # the useful work is the steps rows take to converge
+    n = np.asarray(reference.iterate(step, params, h0, x, iters=iters, max_iters=case.max_iters,
+                                     return_info=True, **halting)[1].steps)
   useful = int(n.sum())
   ideal = case.batch * case.max_iters / max(useful, 1)
   flops = useful * blocks.BLOCKS[case.block].flops_per_row_step(case.d)
@@ -117,7 +135,7 @@ def run_case(case: Case, impls, repeats: int, seed: int = 0) -> list[dict]:
   results = []
   for name in impls:
     fn = jax.jit(lambda p, h, x_, k, impl=IMPLEMENTATIONS[name]: impl(
-        step, p, h, x_, iters=k, max_iters=case.max_iters))
+        step, p, h, x_, iters=k, max_iters=case.max_iters, **halting))
     out = fn(params, h0, x, iters)
     if want is None:
       assert name == "masked_scan", "the reference runs first"
@@ -138,12 +156,12 @@ def run_case(case: Case, impls, repeats: int, seed: int = 0) -> list[dict]:
 
 
 def print_table(results: list[dict]) -> None:
-  header = (f"{'case':44s} {'impl':12s} {'median ms':>10s} {'vs scan':>8s} "
+  header = (f"{'case':48s} {'impl':12s} {'median ms':>10s} {'vs scan':>8s} "
             f"{'vs vmapW':>8s} {'ideal':>6s} {'of ideal':>8s} {'GFLOP/s':>8s} {'max err':>9s}")
   print(header)
   print("-" * len(header))
   for r in results:
-    print(f"{r['case']:44s} {r['impl']:12s} {r['seconds'] * 1e3:10.3f} "
+    print(f"{r['case']:48s} {r['impl']:12s} {r['seconds'] * 1e3:10.3f} "
           f"{r['speedup_vs_masked_scan']:7.2f}x {r.get('speedup_vs_vmap_while', float('nan')):7.2f}x "
           f"{r['ideal_speedup']:5.2f}x {r['fraction_of_ideal']:8.2f} {r['gflops']:8.2f} "
           f"{r['max_error']:9.2e}{'' if r['ok'] else '  MISMATCH'}")

@@ -5,7 +5,8 @@
 
 Runs the masked-scan reference, vmap(while_loop), the XLA implementation and
 the Pallas kernel (interpret mode on CPU, compiled on GPU/TPU) on a tanh-RNN
-cell and a residual MLP with ragged counts; checks each against the reference
+cell and a residual MLP with ragged counts, and a deep-equilibrium layer that
+halts on convergence (`tol`; there the ideal uses the steps rows took); checks each against the reference
 and exits non-zero on a mismatch; prints median time, speedup vs the masked
 scan and vs vmap(while_loop), and the ideal speedup B*max_iters/sum(n_i).
 """
@@ -24,6 +25,8 @@ DEFAULT_CASES = (
     harness.Case("tanh_rnn", batch=256, d=64, max_iters=32, counts="uniform"),
     harness.Case("residual_mlp", batch=256, d=64, max_iters=32, counts="uniform"),
     harness.Case("tanh_rnn", batch=256, d=64, max_iters=32, counts="bimodal"),
+    # Halting: a deep-equilibrium layer run to rms(update) <= tol within 64 steps.
+    harness.Case("deq", batch=256, d=64, max_iters=64, counts="constant", tol=1e-5),
 )
 
 

@@ -18,8 +18,8 @@ class IterateInfo(NamedTuple):
     residual: float32 [B], root-mean-square over all state elements of the
       row's last update `h_new - h`, computed in float32; 0 where no step ran.
       A non-finite update reports NaN or inf.
-    halted: bool [B], True where a halting criterion (not the step budget)
-      stopped the row. Always False until halting (`tol`/`halt`) is used.
+    halted: bool [B], True where a halting criterion (`tol`/`halt`, not the
+      step budget) stopped the row, including on its last budgeted step.
 
   Example:
     >>> h, info = pallas_loop.iterate(step, params, h0, iters=n, max_iters=8,

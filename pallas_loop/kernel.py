@@ -7,8 +7,10 @@ Legend (shapes in comments):
 Each program of the 1-D grid owns TB consecutive rows (already ordered by
 descending count, see `rows.py`). It loads their state, inputs and counts and
 the whole of the shared operands (`params` and the arrays `step` closes over),
-then runs a while loop of T trips. A row whose count is spent is frozen by
-masking. The state lives in registers/VMEM between steps and is written once.
+then runs the masked loop of `masking.run_loop`: at most T trips, fewer when
+halting stops every row of the tile earlier. A row whose count is spent (or
+that has halted) is frozen by masking. The state lives in registers/VMEM
+between steps and is written once.
 """
 
 from __future__ import annotations

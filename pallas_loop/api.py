@@ -15,7 +15,6 @@ from jax import lax
 
 from pallas_loop import dispatch
 from pallas_loop import info as info_lib
-from pallas_loop import masking
 from pallas_loop import step_fn as step_fn_lib
 from pallas_loop import validation
 from pallas_loop import vjp_full
@@ -103,22 +102,18 @@ def iterate(
   max_iters = validation.check_max_iters(max_iters)
   batch = validation.batch_size(h0, x)
   counts = validation.counts_from_iters(iters, batch, max_iters)
-  halting_ops = validation.halting_operands(tol, halt, min_iters)
+  halting = validation.halting_operands(tol, halt, min_iters)
   body = step_fn_lib.with_halt(step, halt)
   consts, (h_shape, flag_shape) = step_fn_lib.trace_step(body, params, h0, x)
   step_fn_lib.check_step_output(h_shape, h0)
   step_fn_lib.check_halt_output(flag_shape, batch)
   fn = step_fn_lib.StepFn(body, tuple(consts))
 
-  halting = None
-  if halting_ops is not None:
-    halting = masking.Halting(tol=None if tol is None else True, min_iters=None,
-                              use_flag=halt is not None)
   forward = dispatch.forward_fn(
       fn, implementation=implementation, interpret=interpret,
-      block_rows=block_rows, sort_rows=sort_rows, halting=halting)
+      block_rows=block_rows, sort_rows=sort_rows)
   h, residual, steps, halted = _with_custom_vjp(forward, fn, max_iters)(
-      params, consts, h0, x, counts, halting_ops)
+      params, consts, h0, x, counts, halting)
   if not return_info:
     return h
   return h, info_lib.IterateInfo(steps=steps, residual=lax.stop_gradient(residual),
@@ -126,18 +121,18 @@ def iterate(
 
 
 def _with_custom_vjp(forward, fn, max_iters):
-  """`forward` as a custom_vjp over (params, consts, h0, x, counts, halting_ops).
+  """`forward` as a custom_vjp over (params, consts, h0, x, counts, halting).
 
   The backward needs only the steps each row applied (saved from the
   forward), not the halting decisions: it replays exactly those steps.
   """
 
   @jax.custom_vjp
-  def run(params, consts, h0, x, counts, halting_ops):
-    return forward(params, consts, h0, x, counts, halting_ops)
+  def run(params, consts, h0, x, counts, halting):
+    return forward(params, consts, h0, x, counts, halting)
 
-  def run_fwd(params, consts, h0, x, counts, halting_ops):
-    out = forward(params, consts, h0, x, counts, halting_ops)
+  def run_fwd(params, consts, h0, x, counts, halting):
+    out = forward(params, consts, h0, x, counts, halting)
     return out, (params, consts, h0, x, out[2])
 
   def run_bwd(saved, cotangents):

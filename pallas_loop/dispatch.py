@@ -100,51 +100,42 @@ def _problem_message(backend, problems, fallback: bool) -> str:
           "shapes as described, or use implementation='xla'.")
 
 
-def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows, halting):
-  """The forward `f(params, consts, h0, x, counts, halting_ops) -> outputs`.
+def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
+  """The forward `f(params, consts, h0, x, counts, halting) -> outputs`.
 
   Outputs are (h, residual, steps, halted), see `xla.forward`.
 
   Args:
     step_fn: the body (step, then the halt criterion) as a `step_fn.StepFn`.
-    halting: None (no halting) or a `masking.Halting` whose `tol` is None or
-      True and `min_iters` is ignored: which halting operands are given. The
-      operands themselves arrive as `halting_ops` = (tol, min_iters).
     implementation: None (auto), "pallas" or "xla".
     interpret: None, True, False or a `pltpu.InterpretParams`.
     block_rows, sort_rows: kernel tiling options.
   """
 
-  def with_operands(ops):
-    if halting is None:
-      return None
-    tol, min_iters = ops
-    return halting._replace(tol=tol if halting.tol is not None else None, min_iters=min_iters)
-
-  def run_xla(params, consts, h0, x, counts, ops):
+  def run_xla(params, consts, h0, x, counts, halting):
     body = lambda p, h, x_: step_fn(p, consts, h, x_)
-    return xla.forward(body, params, h0, x, counts, with_operands(ops))
+    return xla.forward(body, params, h0, x, counts, halting)
 
   def on(backend, *, fallback):
-    def branch(params, consts, h0, x, counts, ops):
+    def branch(params, consts, h0, x, counts, halting):
       p = kernel.plan(backend, step_fn, params, consts, h0, x, block_rows)
       if not p.problems:
-        return kernel.run(p, params, h0, x, counts, with_operands(ops),
+        return kernel.run(p, params, h0, x, counts, halting,
                           sort_rows=sort_rows, name=KERNEL_NAME)
       message = _problem_message(backend, p.problems, fallback)
       if not backend.platforms:  # interpret mode runs everywhere: fail now
         raise ValueError(message)
       if fallback:
-        return warn_when_lowered(message, run_xla(params, consts, h0, x, counts, ops))
-      return raise_when_lowered(message, run_xla, params, consts, h0, x, counts, ops)
+        return warn_when_lowered(message, run_xla(params, consts, h0, x, counts, halting))
+      return raise_when_lowered(message, run_xla, params, consts, h0, x, counts, halting)
     return branch
 
-  def no_compiled_backend(params, consts, h0, x, counts, ops):
+  def no_compiled_backend(params, consts, h0, x, counts, halting):
     return raise_when_lowered(
         "pallas_loop.iterate(implementation='pallas', interpret=False) needs a "
         "GPU (Triton) or TPU (Mosaic) platform; on this platform pass "
         "interpret=True (or leave interpret=None).",
-        run_xla, params, consts, h0, x, counts, ops)
+        run_xla, params, consts, h0, x, counts, halting)
 
   if implementation == "xla":
     return run_xla

@@ -15,7 +15,8 @@ from typing import Any, Callable
 import jax
 from jax import tree_util
 import jax.numpy as jnp
-import numpy as np
+
+from pallas_loop import masking
 
 Criterion = Callable[[Any, Any, Any, Any], jax.Array]
 
@@ -29,10 +30,9 @@ def _row_sum(a: jax.Array) -> jax.Array:
 
 def row_rms(tree) -> jax.Array:
   """float32 [R]: root-mean-square over all elements of each row of `tree`."""
-  leaves = tree_util.tree_leaves(tree)
-  n = sum(int(np.prod(a.shape[1:])) for a in leaves)
-  squares = sum(_row_sum(jnp.square(a.astype(jnp.float32))) for a in leaves)
-  return jnp.sqrt(squares * (1.0 / max(n, 1)))
+  squares = sum(_row_sum(jnp.square(a.astype(jnp.float32)))
+                for a in tree_util.tree_leaves(tree))
+  return jnp.sqrt(squares * (1.0 / max(masking.elems_per_row(tree), 1)))
 
 
 def relative_change(rtol: float, atol: float = 0.0) -> Criterion:

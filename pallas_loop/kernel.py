@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 from jax import tree_util
@@ -31,7 +30,7 @@ from pallas_loop import rows as rows_lib
 from pallas_loop import step_fn as step_fn_lib
 
 
-def _iterate_kernel(counts_ref, *refs, spec, trees, n_ops, halting, elems_per_row):
+def _iterate_kernel(counts_ref, *refs, spec, trees, n_ops, elems_per_row):
   """The kernel body. Refs, in order:
 
   counts_ref: int32 [TB, 1]      the tile's step budgets
@@ -45,14 +44,12 @@ def _iterate_kernel(counts_ref, *refs, spec, trees, n_ops, halting, elems_per_ro
   out steps_ref: i32 [TB, 1]     steps applied
   out halted_ref: i32 [TB, 1]    1 where a criterion stopped the row
   """
-  n_params, n_consts, n_h, n_x = n_ops
-  params_tree, h_tree, x_tree = trees
+  n_params, n_consts, n_halting, n_h, n_x = n_ops
+  params_tree, halting_tree, h_tree, x_tree = trees
   it = iter(refs)
   params_refs = [next(it) for _ in range(n_params)]
   const_refs = [next(it) for _ in range(n_consts)]
-  if halting is not None:
-    tol = next(it)[...] if halting.tol is not None else None
-    halting = halting._replace(tol=tol, min_iters=next(it)[...])
+  halting = tree_util.tree_unflatten(halting_tree, [next(it)[...] for _ in range(n_halting)])
   h_refs = [next(it) for _ in range(n_h)]
   x_refs = [next(it) for _ in range(n_x)]
   h_out_refs = [next(it) for _ in range(n_h)]
@@ -133,13 +130,6 @@ def plan(backend, step_fn, params, consts, h0, x, block_rows=None) -> TilePlan:
       problems=tuple(problems))
 
 
-def _operand_markers(halting):
-  """`halting` with its arrays replaced by markers: they arrive as kernel refs."""
-  if halting is None:
-    return None
-  return halting._replace(tol=None if halting.tol is None else "ref", min_iters="ref")
-
-
 def run(tile_plan: TilePlan, params, h0, x, counts, halting, *, sort_rows: bool,
         name: str):
   """Runs the kernel: orders and pads rows, calls Pallas, restores the order.
@@ -148,7 +138,7 @@ def run(tile_plan: TilePlan, params, h0, x, counts, halting, *, sort_rows: bool,
     tile_plan: from `plan`, with no problems.
     params, h0, x: the operands (h0/x leaves [B, ...]).
     counts: int32 [B], already clipped to [0, max_iters].
-    halting: None or `masking.Halting` (tol/min_iters as scalars).
+    halting: None or `masking.Halting` (0-d operands).
     sort_rows: order rows by descending count before tiling.
     name: the `pallas_call` name.
 
@@ -169,12 +159,8 @@ def run(tile_plan: TilePlan, params, h0, x, counts, halting, *, sort_rows: bool,
   x_leaves, x_tree = tree_util.tree_flatten(x_in)
   shared = [jnp.reshape(a, _shared_2d(a))
             for a in params_leaves + list(tile_plan.traced.const_values)]
-  elems_per_row = sum(int(np.prod(a.shape[1:])) for a in h_leaves)
-  halting_ops = []
-  if halting is not None:
-    if halting.tol is not None:
-      halting_ops.append(jnp.asarray(halting.tol, jnp.float32).reshape(1, 1))
-    halting_ops.append(jnp.asarray(halting.min_iters, jnp.int32).reshape(1, 1))
+  halting_leaves, halting_tree = tree_util.tree_flatten(halting)
+  halting_ops = [a.reshape(1, 1) for a in halting_leaves]
 
   def row_spec(a):
     trailing = (0,) * (a.ndim - 1)
@@ -184,9 +170,10 @@ def run(tile_plan: TilePlan, params, h0, x, counts, halting, *, sort_rows: bool,
     return pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
 
   kernel = functools.partial(
-      _iterate_kernel, spec=tile_plan, trees=(params_tree, h_tree, x_tree),
-      n_ops=(len(params_leaves), len(tile_plan.const_shapes), len(h_leaves), len(x_leaves)),
-      halting=_operand_markers(halting), elems_per_row=elems_per_row)
+      _iterate_kernel, spec=tile_plan, trees=(params_tree, halting_tree, h_tree, x_tree),
+      n_ops=(len(params_leaves), len(tile_plan.const_shapes), len(halting_ops),
+             len(h_leaves), len(x_leaves)),
+      elems_per_row=masking.elems_per_row(h_leaves))
   column = lambda dtype: jax.ShapeDtypeStruct((padded, 1), dtype)
   stats = [column(jnp.float32), column(jnp.int32), column(jnp.int32)]
   outs = pl.pallas_call(

@@ -19,18 +19,18 @@ import jax
 from jax import lax
 from jax import tree_util
 import jax.numpy as jnp
+import numpy as np
 
 
 class Halting(NamedTuple):
-  """Halting operands, as arrays broadcastable against [R, 1].
+  """Halting operands (a pytree), as arrays broadcastable against [R, 1].
 
-  tol: float32, or None (no tolerance test). use_flag: whether the body
-  returns a criterion flag (`halt=`). min_iters: int32.
+  Whether a `halt=` criterion is used is not stored: the body's flag output
+  is None without one.
   """
 
-  tol: Any
-  min_iters: Any
-  use_flag: bool
+  tol: Any        # float32, or None: no tolerance test
+  min_iters: Any  # int32
 
 
 class LoopState(NamedTuple):
@@ -40,6 +40,11 @@ class LoopState(NamedTuple):
   residual: jax.Array  # float32: rms of the last applied update
   steps: jax.Array     # int32: steps applied
   halted: jax.Array    # int32 0/1: a criterion stopped the row
+
+
+def elems_per_row(h) -> int:
+  """Number of state elements in one row (over all leaves of `h`, [R, ...])."""
+  return sum(int(np.prod(np.shape(a)[1:])) for a in tree_util.tree_leaves(h))
 
 
 def row_mask(active: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -103,7 +108,7 @@ def run_loop(body, params, h, x, counts, halting: Halting | None,
       met = jnp.zeros_like(running)
       if halting.tol is not None:
         met = met | (rms <= halting.tol)  # NaN never converges
-      if halting.use_flag:
+      if flag is not None:
         met = met | _as_column(flag, rows)
       stop = running & met & (t + 1 >= halting.min_iters)
       halted = jnp.where(stop, 1, halted)

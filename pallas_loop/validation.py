@@ -9,6 +9,8 @@ from jax import tree_util
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_loop import masking
+
 IMPLEMENTATIONS = (None, "pallas", "xla")
 
 
@@ -80,7 +82,7 @@ def counts_from_iters(iters, batch: int, max_iters: int) -> jax.Array:
 
 
 def halting_operands(tol, halt, min_iters):
-  """(tol, min_iters) as float32/int32 0-d arrays, after checking them.
+  """`masking.Halting(tol, min_iters)` as float32/int32 0-d arrays, after checks.
 
   Returns None when neither `tol` nor `halt` is given (no halting).
   """
@@ -106,7 +108,7 @@ def halting_operands(tol, halt, min_iters):
   tol_op = None if tol is None else jnp.asarray(tol).astype(jnp.float32)
   min_op = jnp.asarray(min(int(min_iters), 2**31 - 1)
                        if isinstance(min_iters, (int, np.integer)) else min_iters).astype(jnp.int32)
-  return tol_op, min_op
+  return masking.Halting(tol=tol_op, min_iters=min_op)
 
 
 def check_options(step, implementation, interpret, block_rows, sort_rows, grad) -> None:

@@ -8,15 +8,7 @@ and the fallback elsewhere.
 
 from __future__ import annotations
 
-from jax import tree_util
-import numpy as np
-
 from pallas_loop import masking
-
-
-def elems_per_row(h) -> int:
-  """Number of state elements in one row (over all leaves)."""
-  return sum(int(np.prod(np.shape(a)[1:])) for a in tree_util.tree_leaves(h))
 
 
 def forward(body, params, h0, x, counts, halting):
@@ -31,5 +23,6 @@ def forward(body, params, h0, x, counts, halting):
   Returns:
     (h, residual, steps, halted): final state; float32, int32, bool [B].
   """
-  s = masking.run_loop(body, params, h0, x, counts[:, None], halting, elems_per_row(h0))
+  s = masking.run_loop(body, params, h0, x, counts[:, None], halting,
+                         masking.elems_per_row(h0))
   return s.h, s.residual[:, 0], s.steps[:, 0], s.halted[:, 0] > 0

@@ -138,7 +138,7 @@ def _with_custom_vjp(forward, fn, max_iters):
   def run_bwd(saved, cotangents):
     params, consts, h0, x, steps = saved
     g_h = cotangents[0]  # residual, steps and halted are not differentiated
-    step = lambda shared, h, x_: fn(shared[0], shared[1], h, x_)[0]
+    step = lambda shared, h, x_, t, rows: fn(shared[0], shared[1], h, x_, t, rows)[0]
     (g_params, g_consts), g_h0, g_x = vjp_full.backward(
         step, (params, consts), h0, x, steps, max_iters, g_h)
     return g_params, g_consts, g_h0, g_x, None, None

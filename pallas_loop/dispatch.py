@@ -113,7 +113,7 @@ def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
   """
 
   def run_xla(params, consts, h0, x, counts, halting):
-    body = lambda p, h, x_: step_fn(p, consts, h, x_)
+    body = lambda p, h, x_, t, rows: step_fn(p, consts, h, x_, t, rows)
     return xla.forward(body, params, h0, x, counts, halting)
 
   def on(backend, *, fallback):

@@ -30,10 +30,11 @@ from pallas_loop import rows as rows_lib
 from pallas_loop import step_fn as step_fn_lib
 
 
-def _iterate_kernel(counts_ref, *refs, spec, trees, n_ops, elems_per_row):
+def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_row):
   """The kernel body. Refs, in order:
 
   counts_ref: int32 [TB, 1]      the tile's step budgets
+  rows_ref: int32 [TB, 1]        each row's index in the caller's batch
   shared refs: full blocks       params leaves, then the step's constants
                                  (0-d operands travel as [1, 1])
   halting refs: [1, 1]           tol (float32, if given), min_iters (int32)
@@ -63,8 +64,9 @@ def _iterate_kernel(counts_ref, *refs, spec, trees, n_ops, elems_per_row):
   consts = [load(r, s) for r, s in zip(const_refs, spec.const_shapes)]
   x = tree_util.tree_unflatten(x_tree, [r[...] for r in x_refs])
   h = tree_util.tree_unflatten(h_tree, [r[...] for r in h_refs])
-  body = lambda p, h, x: spec.traced.apply(consts, p, h, x)
-  state = masking.run_loop(body, params, h, x, counts_ref[...], halting, elems_per_row)
+  body = lambda p, h, x, t, rows: spec.traced.apply(consts, p, h, x, t, rows)
+  state = masking.run_loop(body, params, h, x, counts_ref[...], rows_ref[...], halting,
+                           elems_per_row)
   for ref, leaf in zip(h_out_refs, tree_util.tree_leaves(state.h)):
     ref[...] = leaf
   residual_ref[...] = state.residual
@@ -109,7 +111,8 @@ def plan(backend, step_fn, params, consts, h0, x, block_rows=None) -> TilePlan:
   tb = block_rows or backend.default_block_rows(batch)
   padded = -(-batch // tb) * tb
   traced = step_fn.specialize(params, consts, _tile_avals(h0, tb), _tile_avals(x, tb))
-  blocks = [backend_lib.Block("iters", (tb, 1), (padded, 1))]
+  blocks = [backend_lib.Block("iters", (tb, 1), (padded, 1)),
+            backend_lib.Block("row indices", (tb, 1), (padded, 1))]
   for name, tree in (("h0", h0), ("x", x)):
     for path, a in tree_util.tree_flatten_with_path(tree)[0]:
       blocks.append(backend_lib.Block(
@@ -148,11 +151,13 @@ def run(tile_plan: TilePlan, params, h0, x, counts, halting, *, sort_rows: bool,
   assert not tile_plan.problems, tile_plan.problems
   batch = counts.shape[0]
   tb, padded = tile_plan.block_rows, tile_plan.rows
+  index = jnp.arange(batch, dtype=jnp.int32)
   if sort_rows:
     order = rows_lib.descending_order(counts)
-    h0, x, counts = rows_lib.take_rows((h0, x, counts), order)
-  h_in, x_in = rows_lib.pad_rows((h0, x), padded)
+    h0, x, counts, index = rows_lib.take_rows((h0, x, counts, index), order)
+  h_in, x_in, index = rows_lib.pad_rows((h0, x, index), padded)
   counts_col = rows_lib.pad_counts(counts, padded).reshape(padded, 1)
+  index_col = index.reshape(padded, 1)
 
   params_leaves, params_tree = tree_util.tree_flatten(params)
   h_leaves, h_tree = tree_util.tree_flatten(h_in)
@@ -179,14 +184,15 @@ def run(tile_plan: TilePlan, params, h0, x, counts, halting, *, sort_rows: bool,
   outs = pl.pallas_call(
       kernel,
       grid=(padded // tb,),
-      in_specs=[row_spec(counts_col), *map(full_spec, shared + halting_ops),
+      in_specs=[row_spec(counts_col), row_spec(index_col),
+                *map(full_spec, shared + halting_ops),
                 *map(row_spec, h_leaves), *map(row_spec, x_leaves)],
       out_specs=[*map(row_spec, h_leaves), *map(row_spec, stats)],
       out_shape=[*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in h_leaves), *stats],
       compiler_params=tile_plan.backend.compiler_params(tb),
       interpret=tile_plan.backend.interpret,
       name=name,
-  )(counts_col, *shared, *halting_ops, *h_leaves, *x_leaves)
+  )(counts_col, index_col, *shared, *halting_ops, *h_leaves, *x_leaves)
   h_out = [a[:batch] for a in outs[:-3]]
   residual, steps, halted = (a[:batch, 0] for a in outs[-3:])
   if sort_rows:

@@ -81,15 +81,17 @@ def _as_column(flag: jax.Array, rows: int) -> jax.Array:
   return flag.astype(jnp.int32).reshape(rows, 1) > 0
 
 
-def run_loop(body, params, h, x, counts, halting: Halting | None,
+def run_loop(body, params, h, x, counts, rows, halting: Halting | None,
              elems_per_row: int) -> LoopState:
   """Runs `body` on the rows until none is running.
 
   Args:
-    body: body(params, h, x) -> (h_new, flag); flag is None or bool [R]/[R, 1]
-      (the user's halt criterion evaluated on this update).
+    body: body(params, h, x, t, rows) -> (h_new, flag); t, rows int32 [R, 1]
+      (step index, row's index in the caller's batch); flag is None or bool
+      [R]/[R, 1] (the user's halt criterion evaluated on this update).
     params, h, x: operands; h/x leaves [R, ...].
     counts: int32 [R, 1], the step budgets, already in [0, max_iters].
+    rows: int32 [R, 1], each row's index in the caller's batch.
     halting: None (apply exactly `counts` steps) or the halting operands.
     elems_per_row: state elements per row, for the rms.
 
@@ -101,7 +103,7 @@ def run_loop(body, params, h, x, counts, halting: Halting | None,
   def step(carry):
     t, _, s = carry
     running = (t < counts) & (s.halted == 0)
-    h_new, flag = body(params, s.h, x)
+    h_new, flag = body(params, s.h, x, jnp.broadcast_to(t, counts.shape), rows)
     rms = update_rms(h_new, s.h, elems_per_row)
     halted = s.halted
     if halting is not None:

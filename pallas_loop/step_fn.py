@@ -29,15 +29,30 @@ def _describe(struct) -> str:
   return f"{struct.dtype}{list(struct.shape)}"
 
 
-def with_halt(step: Callable, halt: Callable | None) -> Callable:
-  """The loop body: `(params, h, x) -> (h_new, flag)`, flag = halt(...) or None.
+def row_index_avals(h):
+  """Avals of the body's `t` and `rows` operands for a state `h` ([R, ...])."""
+  rows = tree_util.tree_leaves(h)[0].shape[0]
+  column = jax.ShapeDtypeStruct((rows, 1), np.int32)
+  return column, column
 
-  Tracing step and criterion as one function hoists both one's closed-over
-  arrays, and lets the kernel evaluate the criterion on the fresh update.
+
+def with_halt(step: Callable, halt: Callable | None,
+              keys: Callable | None = None) -> Callable:
+  """The loop body: `(params, h, x, t, rows) -> (h_new, flag)`.
+
+  `t` and `rows` are int32 [R, 1]: each row's step index (0-based) and its
+  index in the caller's batch. They matter only with `keys`
+  (`keys(t, rows) -> per-row key`, passed to `step` as its 4th argument); the
+  flag is `halt(...)` or None. Tracing step and criterion as one function
+  hoists both one's closed-over arrays (the key data among them), and lets
+  the kernel evaluate the criterion on the fresh update.
   """
 
-  def body(params, h, x):
-    h_new = step(params, h, x)
+  def body(params, h, x, t, rows):
+    if keys is None:
+      h_new = step(params, h, x)
+    else:
+      h_new = step(params, h, x, keys(t, rows))
     return h_new, (None if halt is None else halt(params, h_new, h, x))
 
   return body
@@ -57,7 +72,7 @@ def check_halt_output(flag_shape, batch: int) -> None:
 
 
 def trace_step(step: Callable, params, h0, x):
-  """Traces `step(params, h0, x)` once at the batch shape.
+  """Traces the body `step(params, h0, x, t, rows)` once at the batch shape.
 
   Returns:
     (consts, out_shape): the arrays `step` closes over (tracers of an
@@ -65,7 +80,7 @@ def trace_step(step: Callable, params, h0, x):
     of `ShapeDtypeStruct` it returns.
   """
   closed, out_shape = jax.make_jaxpr(step, return_shape=True)(
-      _aval_of(params), _aval_of(h0), _aval_of(x))
+      _aval_of(params), _aval_of(h0), _aval_of(x), *row_index_avals(h0))
   return list(closed.consts), out_shape
 
 
@@ -105,9 +120,9 @@ class SpecializedStep:
   const_values: tuple
   out_tree: Any
 
-  def apply(self, const_values, params, h, x):
+  def apply(self, const_values, params, h, x, t, rows):
     """Evaluates the traced step; `const_values` may be loaded kernel refs."""
-    flat = tree_util.tree_leaves((params, h, x))
+    flat = tree_util.tree_leaves((params, h, x, t, rows))
     out = jax.core.eval_jaxpr(self.jaxpr, list(const_values), *flat)
     return tree_util.tree_unflatten(self.out_tree, out)
 
@@ -126,7 +141,7 @@ class StepFn:
   def specialize(self, params, consts, h, x) -> SpecializedStep:
     """Traces `step` at the shapes of `h`/`x` and maps its captured arrays."""
     closed, out_shape = jax.make_jaxpr(self.step, return_shape=True)(
-        _aval_of(params), _aval_of(h), _aval_of(x))
+        _aval_of(params), _aval_of(h), _aval_of(x), *row_index_avals(h))
     by_id = {id(c): i for i, c in enumerate(self.outer_consts)}
     values = []
     for c in closed.consts:
@@ -141,6 +156,6 @@ class StepFn:
     return SpecializedStep(closed.jaxpr, tuple(values),
                            tree_util.tree_structure(out_shape))
 
-  def __call__(self, params, consts, h, x):
+  def __call__(self, params, consts, h, x, t, rows):
     spec = self.specialize(params, consts, h, x)
-    return spec.apply(spec.const_values, params, h, x)
+    return spec.apply(spec.const_values, params, h, x, t, rows)

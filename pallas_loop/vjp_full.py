@@ -55,6 +55,7 @@ def backward(step, shared, h0, x, counts, max_iters: int, g_h):
     (g_shared, g_h0, g_x); integer leaves get None (zero cotangent).
   """
   column = counts[:, None]
+  rows = lax.broadcasted_iota(jnp.int32, column.shape, 0)
   n_max = jnp.max(counts, initial=0)
 
   def record(t, carry):
@@ -62,7 +63,7 @@ def backward(step, shared, h0, x, counts, max_iters: int, g_h):
     trajectory = tree_util.tree_map(
         lambda buf, a: lax.dynamic_update_index_in_dim(buf, a, t, 0), trajectory, h)
     active = t < column
-    h_new = step(shared, h, x)
+    h_new = step(shared, h, x, jnp.broadcast_to(t, column.shape), rows)
     h = tree_util.tree_map(
         lambda n, o: jnp.where(masking.row_mask(active, o.shape), n, o), h_new, h)
     return h, trajectory
@@ -78,7 +79,8 @@ def backward(step, shared, h0, x, counts, max_iters: int, g_h):
     active = t < column
     masked = tree_util.tree_map(
         lambda a: jnp.where(masking.row_mask(active, a.shape), a, jnp.zeros_like(a)), g)
-    _, vjp = jax.vjp(step, shared, h_t, x)
+    t_col = jnp.broadcast_to(t, column.shape)
+    _, vjp = jax.vjp(lambda s_, h_, x_: step(s_, h_, x_, t_col, rows), shared, h_t, x)
     d_shared, d_h, d_x = vjp(masked)
     g = tree_util.tree_map(
         lambda n, o: jnp.where(masking.row_mask(active, o.shape), n, o), d_h, g)

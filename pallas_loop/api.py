@@ -3,7 +3,7 @@
 Validates and normalises the arguments, hoists the arrays `step` closes over
 into explicit operands (`step_fn.py`), picks the forward per lowering platform
 (`dispatch.py`) and wires it into one `jax.custom_vjp` with the backward of
-the requested gradient mode (`vjp_full.py`).
+the requested gradient mode (`backward.py`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from typing import Any, Callable
 import jax
 from jax import lax
 
+from pallas_loop import backward as backward_lib
 from pallas_loop import dispatch
+from pallas_loop import grad_modes
 from pallas_loop import info as info_lib
 from pallas_loop import step_fn as step_fn_lib
 from pallas_loop import validation
-from pallas_loop import vjp_full
 
 
 def iterate(
@@ -31,7 +32,7 @@ def iterate(
     tol: Any = None,
     halt: Callable[..., Any] | None = None,
     min_iters: Any = 0,
-    grad: str = "full",
+    grad: Any = "full",
     implementation: str | None = None,
     interpret: Any = None,
     block_rows: int | None = None,
@@ -70,7 +71,11 @@ def iterate(
       `pallas_loop.halting` for ready ones. Counts as the step budget still
       caps every row.
     min_iters: int (static or traced): no halting before this many steps.
-    grad: "full": exact backpropagation through every applied step.
+    grad: the gradient mode: "full" (= `Full()`: exact, checkpointed, memory
+      O(sqrt(max_iters))), `Truncated(k)` (through each row's last k steps),
+      `Implicit(tol, max_iters)` (implicit-function gradient at a fixed
+      point) or `Phantom(k)` (k steps unrolled from the stopped output). See
+      `pallas_loop.grad_modes` and the README's "Gradients".
     implementation: None (auto: the Pallas kernel on GPU/TPU when the step
       fits its rules, else XLA with a one-time warning saying why; XLA on
       CPU), "pallas" (the kernel; interpret mode on CPU; an error, never a
@@ -98,7 +103,8 @@ def iterate(
     ...                     iters=jnp.array([1, 2, 3]), max_iters=3)[:, 0]
     Array([2., 4., 8.], dtype=float32)
   """
-  validation.check_options(step, implementation, interpret, block_rows, sort_rows, grad)
+  validation.check_options(step, implementation, interpret, block_rows, sort_rows)
+  mode = grad_modes.as_mode(grad)
   max_iters = validation.check_max_iters(max_iters)
   batch = validation.batch_size(h0, x)
   counts = validation.counts_from_iters(iters, batch, max_iters)
@@ -112,20 +118,30 @@ def iterate(
   forward = dispatch.forward_fn(
       fn, implementation=implementation, interpret=interpret,
       block_rows=block_rows, sort_rows=sort_rows)
-  h, residual, steps, halted = _with_custom_vjp(forward, fn, max_iters)(
-      params, consts, h0, x, counts, halting)
+  window = dispatch.window_fn(
+      fn, implementation=implementation, interpret=interpret,
+      block_rows=block_rows, sort_rows=sort_rows)
+  options = dict(implementation=implementation, interpret=interpret,
+                 block_rows=block_rows, sort_rows=sort_rows)
+  h, residual, steps, halted = _with_custom_vjp(
+      forward, window, fn, mode, max_iters, options)(params, consts, h0, x, counts, halting)
   if not return_info:
     return h
   return h, info_lib.IterateInfo(steps=steps, residual=lax.stop_gradient(residual),
                                  halted=halted)
 
 
-def _with_custom_vjp(forward, fn, max_iters):
+def _with_custom_vjp(forward, window, fn, mode, max_iters, iterate_options):
   """`forward` as a custom_vjp over (params, consts, h0, x, counts, halting).
 
   The backward needs only the steps each row applied (saved from the
-  forward), not the halting decisions: it replays exactly those steps.
+  forward), not the halting decisions: it replays exactly those steps. What
+  it does with them is the gradient mode's (`backward.py`).
   """
+  ctx = backward_lib.Context(fn=fn, forward=forward, window=window,
+                             max_iters=max_iters, iterate_options=iterate_options)
+  keeps_output = isinstance(mode, (grad_modes.Implicit, grad_modes.Phantom))
+  keeps_input = isinstance(mode, (grad_modes.Full, grad_modes.Truncated))
 
   @jax.custom_vjp
   def run(params, consts, h0, x, counts, halting):
@@ -133,14 +149,13 @@ def _with_custom_vjp(forward, fn, max_iters):
 
   def run_fwd(params, consts, h0, x, counts, halting):
     out = forward(params, consts, h0, x, counts, halting)
-    return out, (params, consts, h0, x, out[2])
+    saved = (params, consts, h0 if keeps_input else None, x, out[2],
+             out[0] if keeps_output else None)
+    return out, saved
 
   def run_bwd(saved, cotangents):
-    params, consts, h0, x, steps = saved
     g_h = cotangents[0]  # residual, steps and halted are not differentiated
-    step = lambda shared, h, x_, t, rows: fn(shared[0], shared[1], h, x_, t, rows)[0]
-    (g_params, g_consts), g_h0, g_x = vjp_full.backward(
-        step, (params, consts), h0, x, steps, max_iters, g_h)
+    g_params, g_consts, g_h0, g_x = backward_lib.backward(mode, ctx, saved, g_h)
     return g_params, g_consts, g_h0, g_x, None, None
 
   run.defvjp(run_fwd, run_bwd)

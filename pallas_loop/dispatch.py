@@ -26,6 +26,7 @@ from pallas_loop import backend as backend_lib
 from pallas_loop import kernel
 from pallas_loop import pallas_mosaic_tpu
 from pallas_loop import pallas_triton
+from pallas_loop import vjp_window
 from pallas_loop import xla
 
 KERNEL_NAME = "pallas_loop_iterate_fwd"
@@ -154,3 +155,19 @@ def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
         *operands, cuda=triton, rocm=triton, tpu=mosaic, default=default)
 
   return select
+
+
+def window_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
+  """The window VJP `w(params, consts, h_start, x, t0, n, g, bound, every)`.
+
+  Returns (g_params, g_consts, g_h_start, g_x); see `vjp_window.py`.
+  """
+  del implementation, interpret, block_rows, sort_rows  # XLA only, for now
+
+  def run_xla(params, consts, h_start, x, t0, n, g, bound, every):
+    step = lambda shared, h, x_, t, rows: step_fn(shared[0], shared[1], h, x_, t, rows)[0]
+    (g_params, g_consts), g_h, g_x = vjp_window.backward_xla(
+        step, (params, consts), h_start, x, t0, n, g, window=bound, every=every)
+    return g_params, g_consts, g_h, g_x
+
+  return run_xla

@@ -111,15 +111,12 @@ def halting_operands(tol, halt, min_iters):
   return masking.Halting(tol=tol_op, min_iters=min_op)
 
 
-def check_options(step, implementation, interpret, block_rows, sort_rows, grad) -> None:
+def check_options(step, implementation, interpret, block_rows, sort_rows) -> None:
   if not callable(step):
     raise TypeError(f"step must be callable as step(params, h, x), got "
                     f"{type(step).__name__}.")
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}.")
-  if grad != "full":
-    raise ValueError(f"{grad=} is not supported; this version implements "
-                     "grad='full' (exact backpropagation).")
   if implementation == "xla" and interpret not in (None, False):
     raise ValueError("interpret= applies to the Pallas kernel; it has no "
                      "meaning with implementation='xla'.")

@@ -29,6 +29,7 @@ def iterate(
     tol: Any = None,
     halt: Callable[..., Any] | None = None,
     min_iters: Any = 0,
+    grad: Any = "full",
     return_info: bool = False,
 ):
   """Applies `step` clip(iters[i], 0, max_iters) times to row i of `h0`.
@@ -46,6 +47,11 @@ def iterate(
     halt: halt(params, h_new, h, x) -> bool [B], the same timing rule, OR-ed
       with tol.
     min_iters: no halting before this many steps.
+    grad: "full" (plain autodiff through the scan) or `Truncated(k)` (any
+      object of a class named Truncated with an int `k`, e.g.
+      `pallas_loop.Truncated(k)`): each row's steps before its last k applied
+      ones have their result `stop_gradient`-ed, so the gradient flows through
+      the last k steps only (and reaches h0 only if the row applied <= k).
     return_info: also return an `IterateInfo`.
 
   Returns:
@@ -56,6 +62,25 @@ def iterate(
     ...                   iters=jnp.array([1, 2, 3]), max_iters=3)[:, 0]
     Array([2., 4., 8.], dtype=float32)
   """
+  if type(grad).__name__ == "Truncated":
+    # Which steps are the last k is known only once halting has run: find the
+    # applied steps first (no gradient needed), then replay exactly them.
+    _, info = iterate(step, params, h0, x, iters=iters, max_iters=max_iters, tol=tol,
+                      halt=halt, min_iters=min_iters, return_info=True)
+    steps = lax.stop_gradient(info.steps)
+    h = _scan(step, params, h0, x, steps, max_iters, None, None, 0, truncate=(steps, grad.k))[0]
+    return (h, info) if return_info else h
+  if not (isinstance(grad, str) and grad == "full"):
+    raise ValueError(f"reference.iterate supports grad='full' or Truncated(k), got {grad!r}.")
+  h, residual, steps, halted = _scan(step, params, h0, x, iters, max_iters, tol, halt,
+                                     min_iters, truncate=None)
+  if not return_info:
+    return h
+  return h, IterateInfo(steps=steps, residual=lax.stop_gradient(residual), halted=halted)
+
+
+def _scan(step, params, h0, x, iters, max_iters, tol, halt, min_iters, truncate):
+  """The masked scan; `truncate=(steps, k)` stops gradients before the last k."""
   leaves = jax.tree_util.tree_leaves(h0)
   batch = leaves[0].shape[0]
   n = jnp.clip(jnp.broadcast_to(jnp.asarray(iters), (batch,)), 0, max_iters)
@@ -81,6 +106,11 @@ def iterate(
     halted = halted | (active & met & (t + 1 >= min_iters))
     residual = jnp.where(active, rms, residual)
     steps = steps + active.astype(jnp.int32)
+    if truncate is not None:
+      applied, k = truncate
+      frozen = t + 1 <= applied - k  # this step's result precedes the last k
+      h_new = jax.tree_util.tree_map(
+          lambda a: jnp.where(per_row(frozen, a), lax.stop_gradient(a), a), h_new)
     h = jax.tree_util.tree_map(
         lambda new, old: jnp.where(per_row(active, old), new, old), h_new, h)
     return (h, residual, steps, halted), None
@@ -88,6 +118,4 @@ def iterate(
   init = (h0, jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.int32),
           jnp.zeros((batch,), bool))
   (h, residual, steps, halted), _ = lax.scan(body, init, jnp.arange(max_iters, dtype=jnp.int32))
-  if not return_info:
-    return h
-  return h, IterateInfo(steps=steps, residual=lax.stop_gradient(residual), halted=halted)
+  return h, residual, steps, halted

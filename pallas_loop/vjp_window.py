@@ -1,0 +1,211 @@
+"""Checkpointed reverse-mode through a per-row window of steps.
+
+Every gradient mode that backpropagates through applied steps reduces to the
+same computation: row r starts the window in state `h_start[r]`, applies
+`n[r]` steps (its step indices `t0[r]`, `t0[r] + 1`, ...), and we want the
+vector-Jacobian product of the window's final state. `"full"` is the window
+of all `steps` from `h0`; `Truncated(k)` the last `min(k, steps)` steps from
+the state before them; `Phantom(k)` `min(k, steps)` steps from the output.
+
+Memory is bounded by checkpointing. With C = `every` and W = the window bound:
+
+  1. run the window forward, saving the state every C steps: ceil(W/C) states;
+  2. for each segment, last first: recompute its C states from its checkpoint,
+     then apply `jax.vjp` of the step from the segment's last step to its first.
+
+So the buffers hold ceil(W/C) + C states (O(sqrt(W)) for C ~ sqrt(W)) and the
+step runs about twice forward plus once backward. Rows are masked exactly as
+in the forward: a row's cotangent passes unchanged through the window steps it
+does not apply and feeds a zero cotangent to those steps, so they contribute
+nothing to the parameter or input gradients (accumulated in float32).
+
+The algorithm is written once against small storage interfaces, so the same
+function runs on the whole batch in XLA (`ArrayBuffer`/`ArraySum`, carried
+through the loops) and on one row tile inside the fused backward kernel
+(`bwd_kernel.py`, where buffers and accumulators are Pallas refs).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+from jax import lax
+from jax import tree_util
+import jax.numpy as jnp
+
+from pallas_loop import masking
+
+
+def default_every(window: int) -> int:
+  """The checkpoint interval for a window bound: ceil(sqrt(window)), >= 1.
+
+  Minimises ceil(W/C) + C, the number of states held at once.
+  """
+  return max(1, math.isqrt(max(window - 1, 0)) + 1)
+
+
+def is_float(a) -> bool:
+  return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+
+
+def float32_zeros(tree):
+  """float32 zeros like the float leaves of `tree`; None for the others."""
+  return tree_util.tree_map(
+      lambda a: jnp.zeros(jnp.shape(a), jnp.float32) if is_float(a) else None, tree)
+
+
+def cast_like(acc, ref):
+  """`acc` (float32 or None leaves) cast to the dtypes of `ref`'s leaves."""
+  return tree_util.tree_map(
+      lambda a, r: None if a is None else a.astype(jnp.result_type(r)), acc, ref,
+      is_leaf=lambda v: v is None)
+
+
+@tree_util.register_pytree_node_class
+class ArrayBuffer:
+  """`size` states in arrays [size, R, ...], carried through the loops."""
+
+  def __init__(self, arrays):
+    self.arrays = arrays
+
+  @classmethod
+  def zeros(cls, size: int, like):
+    return cls(tree_util.tree_map(lambda a: jnp.zeros((size,) + a.shape, a.dtype), like))
+
+  def read(self, k):
+    return tree_util.tree_map(
+        lambda b: lax.dynamic_index_in_dim(b, k, 0, keepdims=False), self.arrays)
+
+  def write(self, k, value) -> ArrayBuffer:
+    return ArrayBuffer(tree_util.tree_map(
+        lambda b, v: lax.dynamic_update_index_in_dim(b, v, k, 0), self.arrays, value))
+
+  def tree_flatten(self):
+    return (self.arrays,), None
+
+  @classmethod
+  def tree_unflatten(cls, _, children):
+    return cls(children[0])
+
+
+@tree_util.register_pytree_node_class
+class ArraySum:
+  """A float32 running sum of a pytree (None leaves stay None)."""
+
+  def __init__(self, total):
+    self.total = total
+
+  @classmethod
+  def zeros(cls, like):
+    return cls(float32_zeros(like))
+
+  def add(self, value) -> ArraySum:
+    return ArraySum(tree_util.tree_map(
+        lambda a, b: a if a is None else a + b.astype(jnp.float32), self.total, value,
+        is_leaf=lambda v: v is None))
+
+  def tree_flatten(self):
+    return (self.total,), None
+
+  @classmethod
+  def tree_unflatten(cls, _, children):
+    return cls(children[0])
+
+
+def reverse_window(step: Callable, shared, h_start, x, t0, n, rows, g, *,
+                   every: int, ckpt, seg, acc_shared, acc_x):
+  """The VJP of each row's window of steps, checkpointed.
+
+  Args:
+    step: step(shared, h, x, t, rows) -> h_new (row independent).
+    shared: the differentiable shared operands.
+    h_start, x: leaves [R, ...]: each row's state at the window's start, inputs.
+    t0, n: int32 [R, 1]: each row's first step index and window length.
+    rows: int32 [R, 1]: each row's index in the caller's batch.
+    g: cotangent of the state after the window, like h_start.
+    every: static checkpoint interval C.
+    ckpt: a buffer (`read(k)`, `write(k, h) -> buffer`) with at least
+      ceil(max(n) / C) states; seg: a buffer with at least C states.
+    acc_shared, acc_x: accumulators (`add(tree) -> accumulator`) for the
+      shared-operand and input gradients (float32).
+
+  Returns:
+    (g_h_start, acc_shared, acc_x).
+  """
+  n_max = jnp.max(n)
+  n_seg = (n_max + every - 1) // every
+
+  def advance(h, w):
+    """The state after window step w (rows past their window stay put)."""
+    active = w < n
+    h_new = step(shared, h, x, t0 + w, rows)
+    return masking.select_rows(active, h_new, h)
+
+  def checkpoint_segment(s, carry):
+    h, ckpt = carry
+    ckpt = ckpt.write(s, h)
+    h = lax.fori_loop(0, every, lambda j, h: advance(h, s * every + j), h)
+    return h, ckpt
+
+  h_last, ckpt = lax.fori_loop(0, n_seg - 1, checkpoint_segment, (h_start, ckpt))
+  ckpt = ckpt.write(jnp.maximum(n_seg - 1, 0), h_last)
+
+  def reverse_segment(i, carry):
+    g, acc_shared, acc_x, seg = carry
+    s = n_seg - 1 - i
+    first = s * every
+    length = jnp.minimum(every, n_max - first)
+
+    def recompute(j, c):
+      h, seg = c
+      return advance(h, first + j), seg.write(j, h)
+
+    h, seg = lax.fori_loop(0, length - 1, recompute, (ckpt.read(s), seg))
+    seg = seg.write(length - 1, h)
+
+    def back(jj, c):
+      g, acc_shared, acc_x = c
+      j = length - 1 - jj
+      w = first + j
+      active = w < n
+      masked = masking.select_rows(active, g, tree_util.tree_map(jnp.zeros_like, g))
+      _, vjp = jax.vjp(lambda s_, h_, x_: step(s_, h_, x_, t0 + w, rows),
+                       shared, seg.read(j), x)
+      d_shared, d_h, d_x = vjp(masked)
+      g = masking.select_rows(active, d_h, g)
+      return g, acc_shared.add(d_shared), acc_x.add(d_x)
+
+    g, acc_shared, acc_x = lax.fori_loop(0, length, back, (g, acc_shared, acc_x))
+    return g, acc_shared, acc_x, seg
+
+  g, acc_shared, acc_x, _ = lax.fori_loop(
+      0, n_seg, reverse_segment, (g, acc_shared, acc_x, seg))
+  return g, acc_shared, acc_x
+
+
+def backward_xla(step: Callable, shared, h_start, x, t0, n, g, *, window: int,
+                 every: int | None = None):
+  """`reverse_window` on the whole batch in XLA.
+
+  Args:
+    step, shared, h_start, x, g: as in `reverse_window` (leaves [B, ...]).
+    t0, n: int32 [B]: first step index and window length per row.
+    window: static bound on `n`.
+    every: checkpoint interval (default `default_every(window)`).
+
+  Returns:
+    (g_shared, g_h_start, g_x), cast to the operands' dtypes (None for
+    integer leaves).
+  """
+  every = every or default_every(window)
+  t0, n = t0[:, None], n[:, None]
+  rows = lax.broadcasted_iota(jnp.int32, n.shape, 0)
+  g_h, acc_shared, acc_x = reverse_window(
+      step, shared, h_start, x, t0, n, rows, g, every=every,
+      ckpt=ArrayBuffer.zeros(-(-window // every) if window else 1, h_start),
+      seg=ArrayBuffer.zeros(every, h_start),
+      acc_shared=ArraySum.zeros(shared), acc_x=ArraySum.zeros(x))
+  return cast_like(acc_shared.total, shared), g_h, cast_like(acc_x.total, x)
+

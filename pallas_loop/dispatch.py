@@ -23,6 +23,7 @@ from jax.interpreters import batching
 from jax.interpreters import mlir
 
 from pallas_loop import backend as backend_lib
+from pallas_loop import bwd_kernel
 from pallas_loop import kernel
 from pallas_loop import pallas_mosaic_tpu
 from pallas_loop import pallas_triton
@@ -87,56 +88,49 @@ def warn_when_lowered(message: str, tree):
   return tree_util.tree_unflatten(treedef, _notice_p.bind(*leaves, message=message))
 
 
-# --- The forward, per platform ----------------------------------------------
+# --- Choosing per platform -------------------------------------------------
 
 
-def _problem_message(backend, problems, fallback: bool) -> str:
+def _problem_message(what, backend, problems, fallback: bool) -> str:
   listed = "; ".join(problems)
   if fallback:
-    return (f"pallas_loop.iterate: the Pallas {backend.name} kernel cannot run "
-            f"this step ({listed}); using the XLA implementation. Pass "
+    return (f"pallas_loop.iterate: the Pallas {backend.name} {what} kernel cannot "
+            f"run this step ({listed}); using the XLA implementation. Pass "
             "implementation='xla' to silence this warning.")
   return (f"pallas_loop.iterate(implementation='pallas'): the Pallas "
-          f"{backend.name} kernel cannot run this step: {listed}. Fix the "
+          f"{backend.name} {what} kernel cannot run this step: {listed}. Fix the "
           "shapes as described, or use implementation='xla'.")
 
 
-def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
-  """The forward `f(params, consts, h0, x, counts, halting) -> outputs`.
-
-  Outputs are (h, residual, steps, halted), see `xla.forward`.
+def _per_platform(what, plan, run_kernel, run_xla, *, implementation, interpret):
+  """`f(*operands)`: the kernel on the lowering platform's backend, or XLA.
 
   Args:
-    step_fn: the body (step, then the halt criterion) as a `step_fn.StepFn`.
-    implementation: None (auto), "pallas" or "xla".
-    interpret: None, True, False or a `pltpu.InterpretParams`.
-    block_rows, sort_rows: kernel tiling options.
+    what: "forward" or "backward", for messages.
+    plan: plan(backend, *operands) -> an object with `.problems`.
+    run_kernel: run_kernel(plan, *operands) -> outputs.
+    run_xla: run_xla(*operands) -> outputs (the same avals).
+    implementation, interpret: the caller's options (see `iterate`).
   """
 
-  def run_xla(params, consts, h0, x, counts, halting):
-    body = lambda p, h, x_, t, rows: step_fn(p, consts, h, x_, t, rows)
-    return xla.forward(body, params, h0, x, counts, halting)
-
   def on(backend, *, fallback):
-    def branch(params, consts, h0, x, counts, halting):
-      p = kernel.plan(backend, step_fn, params, consts, h0, x, block_rows)
+    def branch(*operands):
+      p = plan(backend, *operands)
       if not p.problems:
-        return kernel.run(p, params, h0, x, counts, halting,
-                          sort_rows=sort_rows, name=KERNEL_NAME)
-      message = _problem_message(backend, p.problems, fallback)
+        return run_kernel(p, *operands)
+      message = _problem_message(what, backend, p.problems, fallback)
       if not backend.platforms:  # interpret mode runs everywhere: fail now
         raise ValueError(message)
       if fallback:
-        return warn_when_lowered(message, run_xla(params, consts, h0, x, counts, halting))
-      return raise_when_lowered(message, run_xla, params, consts, h0, x, counts, halting)
+        return warn_when_lowered(message, run_xla(*operands))
+      return raise_when_lowered(message, run_xla, *operands)
     return branch
 
-  def no_compiled_backend(params, consts, h0, x, counts, halting):
+  def no_compiled_backend(*operands):
     return raise_when_lowered(
         "pallas_loop.iterate(implementation='pallas', interpret=False) needs a "
         "GPU (Triton) or TPU (Mosaic) platform; on this platform pass "
-        "interpret=True (or leave interpret=None).",
-        run_xla, params, consts, h0, x, counts, halting)
+        "interpret=True (or leave interpret=None).", run_xla, *operands)
 
   if implementation == "xla":
     return run_xla
@@ -157,17 +151,58 @@ def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
   return select
 
 
+def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
+  """The forward `f(params, consts, h0, x, counts, halting) -> outputs`.
+
+  Outputs are (h, residual, steps, halted), see `xla.forward`.
+
+  Args:
+    step_fn: the body (step, then the halt criterion) as a `step_fn.StepFn`.
+    implementation: None (auto), "pallas" or "xla".
+    interpret: None, True, False or a `pltpu.InterpretParams`.
+    block_rows, sort_rows: kernel tiling options.
+  """
+
+  def run_xla(params, consts, h0, x, counts, halting):
+    body = lambda p, h, x_, t, rows: step_fn(p, consts, h, x_, t, rows)
+    return xla.forward(body, params, h0, x, counts, halting)
+
+  def plan(backend, params, consts, h0, x, counts, halting):
+    return kernel.plan(backend, step_fn, params, consts, h0, x, block_rows)
+
+  def run_kernel(p, params, consts, h0, x, counts, halting):
+    return kernel.run(p, params, h0, x, counts, halting, sort_rows=sort_rows,
+                      name=KERNEL_NAME)
+
+  return _per_platform("forward", plan, run_kernel, run_xla,
+                       implementation=implementation, interpret=interpret)
+
+
 def window_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
   """The window VJP `w(params, consts, h_start, x, t0, n, g, bound, every)`.
 
-  Returns (g_params, g_consts, g_h_start, g_x); see `vjp_window.py`.
+  Returns (g_params, g_consts, g_h_start, g_x); see `vjp_window.py`. `bound`
+  (the static bound on n) and `every` (checkpoint interval or None) are
+  static; the fused backward kernel (`bwd_kernel.py`) runs where the forward
+  kernel would.
   """
-  del implementation, interpret, block_rows, sort_rows  # XLA only, for now
 
-  def run_xla(params, consts, h_start, x, t0, n, g, bound, every):
-    step = lambda shared, h, x_, t, rows: step_fn(shared[0], shared[1], h, x_, t, rows)[0]
-    (g_params, g_consts), g_h, g_x = vjp_window.backward_xla(
-        step, (params, consts), h_start, x, t0, n, g, window=bound, every=every)
-    return g_params, g_consts, g_h, g_x
+  def window(params, consts, h_start, x, t0, n, g, bound, every):
+    def run_xla(params, consts, h_start, x, t0, n, g):
+      step = lambda shared, h, x_, t, rows: step_fn(shared[0], shared[1], h, x_, t, rows)[0]
+      (g_params, g_consts), g_h, g_x = vjp_window.backward_xla(
+          step, (params, consts), h_start, x, t0, n, g, window=bound, every=every)
+      return g_params, g_consts, g_h, g_x
 
-  return run_xla
+    def plan(backend, params, consts, h_start, x, t0, n, g):
+      return bwd_kernel.plan(backend, kernel.plan, step_fn, params, consts, h_start, x,
+                             block_rows=block_rows, bound=bound, every=every)
+
+    def run_kernel(p, params, consts, h_start, x, t0, n, g):
+      return bwd_kernel.run(p, params, consts, h_start, x, t0, n, g, sort_rows=sort_rows)
+
+    return _per_platform("backward", plan, run_kernel, run_xla,
+                         implementation=implementation, interpret=interpret)(
+                             params, consts, h_start, x, t0, n, g)
+
+  return window

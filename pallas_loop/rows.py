@@ -50,14 +50,19 @@ def take_rows(tree, index: jax.Array):
   return tree_util.tree_map(lambda a: jnp.take(a, index, axis=0), tree)
 
 
-def pad_rows(tree, rows: int):
-  """Pads every leaf of `tree` along axis 0 to `rows` rows (see module doc)."""
+def pad_rows(tree, rows: int, *, poison_ok: bool = True):
+  """Pads every leaf of `tree` along axis 0 to `rows` rows (see module doc).
+
+  `poison_ok=False` always copies a real row, even under `poisoned_padding`:
+  for the backward kernel, whose masked steps run the VJP with a zero
+  cotangent, where a NaN row would make the parameter gradients NaN.
+  """
 
   def pad(a):
     extra = rows - a.shape[0]
     if extra == 0:
       return a
-    if _POISON_PADDING:
+    if _POISON_PADDING and poison_ok:
       fill = jnp.nan if jnp.issubdtype(a.dtype, jnp.inexact) else -1
       block = jnp.full((extra,) + a.shape[1:], fill, a.dtype)
     else:

@@ -114,11 +114,14 @@ class SpecializedStep:
     const_values: one value per constvar: an entry of the caller's `consts`
       (possibly a tracer of the current trace) or a concrete array.
     out_tree: the treedef of the new state.
+    sources: per constvar, the index of the caller's const it stands for, or
+      None for a constant created inside step (it gets no gradient).
   """
 
   jaxpr: Any
   const_values: tuple
   out_tree: Any
+  sources: tuple = ()
 
   def apply(self, const_values, params, h, x, t, rows):
     """Evaluates the traced step; `const_values` may be loaded kernel refs."""
@@ -143,8 +146,9 @@ class StepFn:
     closed, out_shape = jax.make_jaxpr(self.step, return_shape=True)(
         _aval_of(params), _aval_of(h), _aval_of(x), *row_index_avals(h))
     by_id = {id(c): i for i, c in enumerate(self.outer_consts)}
-    values = []
+    values, sources = [], []
     for c in closed.consts:
+      sources.append(by_id.get(id(c)))
       if id(c) in by_id:
         values.append(consts[by_id[id(c)]])
       elif isinstance(c, jax.core.Tracer):
@@ -154,7 +158,7 @@ class StepFn:
       else:
         values.append(c)  # a constant created inside step: safe to pass along
     return SpecializedStep(closed.jaxpr, tuple(values),
-                           tree_util.tree_structure(out_shape))
+                           tree_util.tree_structure(out_shape), tuple(sources))
 
   def __call__(self, params, consts, h, x, t, rows):
     spec = self.specialize(params, consts, h, x)

@@ -114,8 +114,14 @@ class ArraySum:
     return cls(children[0])
 
 
+def step_vjp(step: Callable, shared, h, x, t, rows, ct):
+  """(d_shared, d_h, d_x): the VJP of `step` at (shared, h, x) for `ct`."""
+  _, vjp = jax.vjp(lambda s_, h_, x_: step(s_, h_, x_, t, rows), shared, h, x)
+  return vjp(ct)
+
+
 def reverse_window(step: Callable, shared, h_start, x, t0, n, rows, g, *,
-                   every: int, ckpt, seg, acc_shared, acc_x):
+                   every: int, ckpt, seg, acc_shared, acc_x, vjp: Callable = step_vjp):
   """The VJP of each row's window of steps, checkpointed.
 
   Args:
@@ -130,6 +136,7 @@ def reverse_window(step: Callable, shared, h_start, x, t0, n, rows, g, *,
       ceil(max(n) / C) states; seg: a buffer with at least C states.
     acc_shared, acc_x: accumulators (`add(tree) -> accumulator`) for the
       shared-operand and input gradients (float32).
+    vjp: vjp(step, shared, h, x, t, rows, ct) -> (d_shared, d_h, d_x).
 
   Returns:
     (g_h_start, acc_shared, acc_x).
@@ -171,9 +178,7 @@ def reverse_window(step: Callable, shared, h_start, x, t0, n, rows, g, *,
       w = first + j
       active = w < n
       masked = masking.select_rows(active, g, tree_util.tree_map(jnp.zeros_like, g))
-      _, vjp = jax.vjp(lambda s_, h_, x_: step(s_, h_, x_, t0 + w, rows),
-                       shared, seg.read(j), x)
-      d_shared, d_h, d_x = vjp(masked)
+      d_shared, d_h, d_x = vjp(step, shared, seg.read(j), x, t0 + w, rows, masked)
       g = masking.select_rows(active, d_h, g)
       return g, acc_shared.add(d_shared), acc_x.add(d_x)
 

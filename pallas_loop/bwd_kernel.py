@@ -1,0 +1,324 @@
+"""The fused backward kernel: the checkpointed window VJP, one row tile per program.
+
+Legend (shapes in comments):
+  P: rows, ordered by descending window length and padded to whole tiles
+  TB: rows per tile       ...: a leaf's trailing (per-row) dimensions
+  S: checkpoint slots     C: states per recomputed segment (both powers of 2)
+  NT: tiles (P / TB)
+
+Each program runs `vjp_window.reverse_window` (the same function the XLA path
+runs on the whole batch) on its TB rows: the window forward saving a state
+every C steps, then each segment recomputed and reversed with `jax.vjp` of
+the step traced inside the kernel. Its buffers are Pallas refs
+(`RefBuffer`): the checkpoint and segment states are outputs of the call
+that nobody reads afterwards, [S, P, ...] and [C, P, ...] in HBM (on TPU a
+tile's blocks live in VMEM), so the kernel needs no scratch-memory feature
+that only one backend has. Gradients of the shared operands are summed per
+tile in float32 into [NT, ...] outputs and added up outside, in a fixed
+order (deterministic); input gradients are per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import tree_util
+from jax.experimental import pallas as pl
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_loop import backend as backend_lib
+from pallas_loop import jaxpr_eval
+from pallas_loop import rows as rows_lib
+from pallas_loop import step_fn as step_fn_lib
+from pallas_loop import vjp_window
+
+KERNEL_NAME = "pallas_loop_iterate_bwd"
+
+
+class RefBuffer:
+  """States in refs [slots, TB, ...] (one per state leaf), indexed by slot.
+
+  A pytree without leaves, so loops may carry it: writes are side effects.
+  """
+
+  def __init__(self, refs, treedef):
+    self.refs, self.treedef = refs, treedef
+
+  def read(self, k):
+    return tree_util.tree_unflatten(self.treedef, [r[k] for r in self.refs])
+
+  def write(self, k, value) -> RefBuffer:
+    for r, v in zip(self.refs, tree_util.tree_leaves(value)):
+      r[k] = v.astype(r.dtype)
+    return self
+
+
+class RefSum:
+  """float32 sums in refs, one per leaf of the summed pytree (None: skipped)."""
+
+  def __init__(self, refs):
+    self.refs = refs
+
+  def add(self, value) -> RefSum:
+    for r, v in zip(self.refs, tree_util.tree_leaves(value, is_leaf=lambda v: v is None)):
+      if r is not None:
+        r[...] += v.astype(jnp.float32).reshape(r.shape)
+    return self
+
+
+for _cls in (RefBuffer, RefSum):
+  tree_util.register_pytree_node(_cls, lambda s: ((), s), lambda s, _: s)
+
+
+def _float_vjp(step, shared, h, x, t, rows, ct):
+  """The step's VJP w.r.t. the float leaves only (None for the others), with
+  single-dtype dots (`jaxpr_eval.py`: Triton rejects mixed-dtype dots)."""
+  leaves, tree = tree_util.tree_flatten((shared, x))
+  is_f = [vjp_window.is_float(a) for a in leaves]
+
+  def f(floats, h_):
+    it = iter(floats)
+    shared_, x_ = tree_util.tree_unflatten(tree, [next(it) if f_ else a
+                                                  for a, f_ in zip(leaves, is_f)])
+    return step(shared_, h_, x_, t, rows)
+
+  def vjp_of(floats, h_, ct_):
+    return jax.vjp(f, floats, h_)[1](ct_)
+
+  floats = [a for a, f_ in zip(leaves, is_f) if f_]
+  d_floats, d_h = jaxpr_eval.call_with_matched_dots(vjp_of, floats, h, ct)
+  it = iter(d_floats)
+  d_shared, d_x = tree_util.tree_unflatten(tree, [next(it) if f_ else None for f_ in is_f])
+  return d_shared, d_h, d_x
+
+
+def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):
+  """The kernel body. Refs, in order:
+
+  n_ref, t0_ref: int32 [TB, 1]    window length and first step index per row
+  rows_ref: int32 [TB, 1]         each row's index in the caller's batch
+  shared refs: full blocks        params leaves, then the step's constants
+  h refs: [TB, ...]               the state at the window's start
+  x refs: [TB, ...]               inputs
+  g refs: [TB, ...]               cotangent of the state after the window
+  out g_h refs: [TB, ...]         cotangent of the state at the window's start
+  out g_x refs: f32 [TB, ...]     input gradients (float leaves of x only)
+  out g_shared refs: f32 [1, ...] this tile's shared-operand gradients (float
+                                  leaves only)
+  out ckpt refs: [S, TB, ...]     checkpoints (scratch)
+  out seg refs: [C, TB, ...]      a segment's states (scratch)
+  """
+  params_tree, h_tree, x_tree = trees
+  n_h, n_x = h_tree.num_leaves, x_tree.num_leaves
+  n_shared = len(wp.shared_float)
+  it = iter(refs)
+  shared_refs = [next(it) for _ in range(n_shared)]
+  h_refs = [next(it) for _ in range(n_h)]
+  x_refs = [next(it) for _ in range(n_x)]
+  g_refs = [next(it) for _ in range(n_h)]
+  g_h_refs = [next(it) for _ in range(n_h)]
+  g_x_refs = [next(it) if f else None for f in wp.x_float]
+  g_shared_refs = [next(it) if f else None for f in wp.shared_float]
+  ckpt_refs = [next(it) for _ in range(n_h)]
+  seg_refs = [next(it) for _ in range(n_h)]
+
+  for r in g_x_refs + g_shared_refs:
+    if r is not None:
+      r[...] = jnp.zeros(r.shape, r.dtype)
+  shared_values = [r[...].reshape(s) for r, s in zip(shared_refs, wp.shared_shapes)]
+  n_params = params_tree.num_leaves
+  shared = (tree_util.tree_unflatten(params_tree, shared_values[:n_params]),
+            shared_values[n_params:])
+  x = tree_util.tree_unflatten(x_tree, [r[...] for r in x_refs])
+  h = tree_util.tree_unflatten(h_tree, [r[...] for r in h_refs])
+  g = tree_util.tree_unflatten(h_tree, [r[...] for r in g_refs])
+
+  def step(shared, h, x, t, rows):
+    params, consts = shared
+    return wp.tile.traced.apply(consts, params, h, x, t, rows)[0]
+
+  g_h, _, _ = vjp_window.reverse_window(
+      step, shared, h, x, t0_ref[...], n_ref[...], rows_ref[...], g, every=every,
+      ckpt=RefBuffer(ckpt_refs, h_tree), seg=RefBuffer(seg_refs, h_tree),
+      acc_shared=RefSum(g_shared_refs), acc_x=RefSum(g_x_refs), vjp=_float_vjp)
+  for r, leaf in zip(g_h_refs, tree_util.tree_leaves(g_h)):
+    r[...] = leaf.astype(r.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowPlan:
+  """The backward kernel on one backend, or why it cannot run.
+
+  Attributes:
+    tile: the forward's `kernel.TilePlan`-like fields (block_rows, rows,
+      traced step, backend).
+    every: checkpoint interval C; slots: (S, C) buffer sizes (powers of 2).
+    shared_shapes: true shapes of params leaves then the traced constants.
+    shared_float/x_float: which of those (and of x's leaves) get gradients.
+    problems: violated backend rules; empty when the kernel can run.
+  """
+
+  tile: "object"
+  every: int
+  slots: tuple[int, int]
+  shared_shapes: tuple
+  shared_float: tuple[bool, ...]
+  x_float: tuple[bool, ...]
+  problems: tuple[str, ...]
+
+
+def _shared_2d(a) -> tuple[int, ...]:
+  return (1, 1) if np.ndim(a) == 0 else tuple(np.shape(a))
+
+
+def plan(backend, tile_plan_fn, step_fn, params, consts, h, x, *, block_rows, bound: int,
+         every: int | None) -> WindowPlan:
+  """Plans the backward kernel: the forward's tile plan plus the VJP's needs.
+
+  Args:
+    backend: the Pallas backend.
+    tile_plan_fn: `kernel.plan` (the forward's planning: tile shape, traced
+      step, block rules of the step's operands).
+    step_fn, params, consts, h, x: as for the forward.
+    block_rows: rows per tile or None.
+    bound: static bound on the window length; every: checkpoint interval.
+  """
+  every = every or vjp_window.default_every(bound)
+  tile = tile_plan_fn(backend, step_fn, params, consts, h, x, block_rows)
+  tb, padded = tile.block_rows, tile.rows
+  slots = (backend_lib.next_power_of_2(max(1, -(-bound // every))),
+           backend_lib.next_power_of_2(every))
+  shared = list(tree_util.tree_leaves(params)) + list(tile.traced.const_values)
+  blocks = []
+  for name, size in zip(("checkpoints", "segment states"), slots):
+    for path, a in tree_util.tree_flatten_with_path(h)[0]:
+      blocks.append(backend_lib.Block(
+          f"{name} of h{tree_util.keystr(path)}", (size, tb) + a.shape[1:],
+          (size, padded) + a.shape[1:]))
+  for i, a in enumerate(shared):
+    blocks.append(backend_lib.Block(f"per-tile gradient #{i}", (1,) + _shared_2d(a),
+                                    (padded // tb,) + _shared_2d(a)))
+
+  def vjp_of_step(shared, h, x, t, rows, g):
+    params, consts = shared
+    f = lambda s_, h_, x_: tile.traced.apply(s_[1], s_[0], h_, x_, t, rows)[0]
+    return jax.vjp(f, (params, consts), h, x)[1](g)
+
+  avals = lambda tree: tree_util.tree_map(
+      lambda a: jax.ShapeDtypeStruct((tb,) + a.shape[1:], a.dtype), tree)
+  column = jax.ShapeDtypeStruct((tb, 1), np.int32)
+  jaxpr = jax.make_jaxpr(vjp_of_step)(
+      (params, list(tile.traced.const_values)), avals(h), avals(x), column, column,
+      avals(h)).jaxpr
+  problems = (list(tile.problems) + backend.block_problems(blocks)
+              + backend_lib.unsupported_primitive_problems(backend, jaxpr)
+              + backend.extra_problems(jaxpr))
+  return WindowPlan(
+      tile=tile, every=every, slots=slots,
+      shared_shapes=tuple(np.shape(a) for a in shared),
+      shared_float=tuple(vjp_window.is_float(a) for a in shared),
+      x_float=tuple(vjp_window.is_float(a) for a in tree_util.tree_leaves(x)),
+      problems=tuple(dict.fromkeys(problems)))
+
+
+def run(wp: WindowPlan, params, consts, h_start, x, t0, n, g, *, sort_rows: bool):
+  """Runs the backward kernel.
+
+  Args:
+    wp: from `plan`, with no problems.
+    params, consts: the shared operands (consts: the caller's, in
+      `step_fn.StepFn` order).
+    h_start, x, g: leaves [B, ...].
+    t0, n: int32 [B]: each row's first step index and window length.
+    sort_rows: order rows by descending window length before tiling.
+
+  Returns:
+    (g_params, g_consts, g_h_start, g_x), in the operands' dtypes (None for
+    integer leaves).
+  """
+  assert not wp.problems, wp.problems
+  tile = wp.tile
+  batch = n.shape[0]
+  tb, padded = tile.block_rows, tile.rows
+  index = jnp.arange(batch, dtype=jnp.int32)
+  if sort_rows:
+    order = rows_lib.descending_order(n)
+    h_start, x, g, t0, n, index = rows_lib.take_rows((h_start, x, g, t0, n, index), order)
+  h_in, x_in, g_in, t0, index = rows_lib.pad_rows((h_start, x, g, t0, index), padded,
+                                                  poison_ok=False)
+  n = rows_lib.pad_counts(n, padded)
+  columns = [a.reshape(padded, 1) for a in (n, t0, index)]
+
+  params_leaves, params_tree = tree_util.tree_flatten(params)
+  h_leaves, h_tree = tree_util.tree_flatten(h_in)
+  x_leaves, x_tree = tree_util.tree_flatten(x_in)
+  g_leaves = tree_util.tree_leaves(g_in)
+  shared = [jnp.reshape(a, _shared_2d(a))
+            for a in params_leaves + list(tile.traced.const_values)]
+  n_tiles = padded // tb
+  trailing = lambda a: (0,) * (len(a.shape) - 1)
+
+  def row_spec(a):
+    return pl.BlockSpec((tb,) + a.shape[1:], lambda i: (i,) + trailing(a))
+
+  def full_spec(a):
+    return pl.BlockSpec(a.shape, lambda i: (0,) * len(a.shape))
+
+  def tile_spec(a):
+    return pl.BlockSpec((1,) + a.shape[1:], lambda i: (i,) + trailing(a))
+
+  def slot_spec(a):
+    return pl.BlockSpec((a.shape[0], tb) + a.shape[2:],
+                        lambda i: (0, i) + (0,) * (len(a.shape) - 2))
+
+  struct = jax.ShapeDtypeStruct
+  g_h_out = [struct(a.shape, a.dtype) for a in h_leaves]
+  g_x_out = [struct(a.shape, jnp.float32) for a, f in zip(x_leaves, wp.x_float) if f]
+  g_shared_out = [struct((n_tiles,) + a.shape, jnp.float32)
+                  for a, f in zip(shared, wp.shared_float) if f]
+  scratch = [struct((size, padded) + a.shape[1:], a.dtype)
+             for size in wp.slots for a in h_leaves]
+  kernel = functools.partial(_window_kernel, wp=wp, trees=(params_tree, h_tree, x_tree),
+                             every=wp.every)
+  outs = pl.pallas_call(
+      kernel,
+      grid=(n_tiles,),
+      in_specs=[*map(row_spec, columns), *map(full_spec, shared),
+                *map(row_spec, h_leaves + x_leaves + g_leaves)],
+      out_specs=[*map(row_spec, g_h_out + g_x_out), *map(tile_spec, g_shared_out),
+                 *map(slot_spec, scratch)],
+      out_shape=[*g_h_out, *g_x_out, *g_shared_out, *scratch],
+      compiler_params=tile.backend.compiler_params(tb),
+      interpret=tile.backend.interpret,
+      name=KERNEL_NAME,
+  )(*columns, *shared, *h_leaves, *x_leaves, *g_leaves)
+
+  it = iter(outs)
+  g_h = [next(it)[:batch] for _ in h_leaves]
+  g_x = [next(it)[:batch] if f else None for f in wp.x_float]
+  tile_sums = [next(it) if f else None for f in wp.shared_float]
+  if sort_rows:
+    inverse = rows_lib.inverse_permutation(order)
+    g_h, g_x = rows_lib.take_rows((g_h, g_x), inverse)
+  g_x = [None if a is None else a.astype(leaf.dtype)
+         for a, leaf in zip(g_x, tree_util.tree_leaves(x))]
+
+  # Per-tile sums -> gradients of params, and of the caller's consts (a
+  # traced constant stands for the caller's const `sources[j]`, or for a
+  # constant made inside step, which gets none).
+  sums = [None if s is None else jnp.sum(s, axis=0).reshape(shape)
+          for s, shape in zip(tile_sums, wp.shared_shapes)]
+  n_params = len(params_leaves)
+  g_params = [None if s is None else s.astype(p.dtype)
+              for s, p in zip(sums[:n_params], params_leaves)]
+  g_consts = [vjp_window.float32_zeros(c) for c in consts]
+  for s, source in zip(sums[n_params:], tile.traced.sources):
+    if s is not None and source is not None:
+      g_consts[source] = g_consts[source] + s
+  g_consts = [None if a is None else a.astype(jnp.result_type(c))
+              for a, c in zip(g_consts, consts)]
+  return (tree_util.tree_unflatten(params_tree, g_params), g_consts,
+          tree_util.tree_unflatten(h_tree, g_h), tree_util.tree_unflatten(x_tree, g_x))

@@ -89,7 +89,7 @@ def test_step_returns_another_dtype():
 
 @pytest.mark.parametrize("kw,error,match", [
     (dict(implementation="triton"), ValueError, "implementation='triton' must be one of"),
-    (dict(grad="implicit"), ValueError, "grad='implicit' is not supported"),
+    (dict(grad="implicit"), ValueError, "grad must be 'full', pallas_loop.Full"),
     (dict(block_rows=0), ValueError, "block_rows=0 must be a positive int"),
     (dict(block_rows=2.5), TypeError, "block_rows=2.5 must be a positive int"),
     (dict(sort_rows=None), TypeError, "sort_rows=None must be a bool"),

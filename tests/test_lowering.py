@@ -15,6 +15,7 @@ import pytest
 
 import pallas_loop
 from benchmarks import blocks
+from pallas_loop import bwd_kernel
 from pallas_loop import dispatch
 from tests import cases
 from tests import lowering
@@ -43,6 +44,16 @@ def test_kernel_lowers(platform, block, dtype):
     text = lowering.export_text(fn, params, h0, x, n, platform=platform)
     assert lowering.kernel_marker(platform) in text
     assert dispatch.KERNEL_NAME in text
+  # The backward is the fused kernel too, in every gradient mode that runs
+  # steps backwards (Implicit's adjoint solve is an iterate: its forward kernel).
+  for mode in ("full", pallas_loop.Truncated(3), pallas_loop.Phantom(2)):
+    fn = _fwd_bwd(_compiled(step, implementation="pallas", interpret=False, grad=mode))
+    text = lowering.export_text(fn, params, h0, x, n, platform=platform)
+    assert bwd_kernel.KERNEL_NAME in text, mode
+  fn = _fwd_bwd(_compiled(step, implementation="pallas", interpret=False,
+                          grad=pallas_loop.Implicit(max_iters=4)))
+  text = lowering.export_text(fn, params, h0, x, n, platform=platform)
+  assert text.count(dispatch.KERNEL_NAME) >= 2 and bwd_kernel.KERNEL_NAME not in text
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -1,0 +1,139 @@
+"""Forward+backward per gradient mode: time and memory vs the masked scan.
+
+    python -m benchmarks.grad_modes            # CPU-safe default
+    python -m benchmarks.grad_modes --json out.json
+
+For each mode, `jax.jit(jax.grad(loss))` of `pallas_loop.iterate` against
+`jax.jit(jax.grad(loss))` of the masked-scan reference (which stores every
+step for autodiff), in one run: median time ratio and the compiled temporary
+memory (`memory_analysis().temp_size_in_bytes`) ratio. The modes that are
+exact (`Full`, `Truncated` vs the reference's own truncation) are checked
+against the reference; a mismatch exits non-zero. `Phantom` and `Implicit`
+are approximations by design: their gradients are reported, not checked, here
+(tests/test_grad_modes.py checks them against their own oracles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_loop
+import reference
+from benchmarks import blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class GradCase:
+  block: str
+  batch: int
+  d: int
+  max_iters: int
+  mode: object
+  tol: float | None = None
+
+  @property
+  def name(self) -> str:
+    return f"{self.block} B={self.batch} D={self.d} T={self.max_iters} {self.mode}"
+
+
+DEFAULT_CASES = (
+    GradCase("tanh_rnn", 256, 64, 32, "full"),
+    GradCase("tanh_rnn", 256, 64, 32, pallas_loop.Full(checkpoint_every=1)),
+    GradCase("tanh_rnn", 256, 64, 32, pallas_loop.Truncated(8)),
+    GradCase("tanh_rnn", 256, 64, 32, pallas_loop.Phantom(4)),
+    GradCase("deq", 256, 64, 64, pallas_loop.Implicit(tol=1e-6, max_iters=64), tol=1e-5),
+)
+
+
+def _median_time(f, args, repeats):
+  jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def run_case(case: GradCase, impls, repeats: int):
+  step, params, h0, x = blocks.make(case.block, case.batch, case.d, jnp.float32,
+                                    jax.random.key(0))
+  rng = np.random.default_rng(0)
+  n = jnp.asarray(rng.integers(1, case.max_iters + 1, case.batch), jnp.int32)
+  cot = jax.random.normal(jax.random.key(1), h0.shape)
+  kw = dict(iters=n, max_iters=case.max_iters, tol=case.tol)
+  exact = not isinstance(case.mode, (pallas_loop.Phantom, pallas_loop.Implicit))
+  ref_grad = "full" if isinstance(case.mode, str) or not isinstance(
+      case.mode, pallas_loop.Truncated) else case.mode
+
+  def grad_fn(run, **extra):
+    loss = lambda p, h, x_: jnp.sum(cot * run(step, p, h, x_, **kw, **extra))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+  ref = grad_fn(reference.iterate, grad=ref_grad)
+  args = (params, h0, x)
+  ref_time = _median_time(ref, args, repeats)
+  ref_mem = ref.lower(*args).compile().memory_analysis().temp_size_in_bytes
+  want = ref(*args)
+  rows = []
+  for impl in impls:
+    f = grad_fn(pallas_loop.iterate, grad=case.mode, implementation=impl)
+    got = f(*args)
+    err = max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(b))))
+              for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    mem = f.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    t = _median_time(f, args, repeats)
+    rows.append(dict(case=case.name, impl=impl, time_s=t, speedup_vs_scan_grad=ref_time / t,
+                     temp_bytes=mem, memory_vs_scan_grad=mem / ref_mem,
+                     rel_diff_vs_ref=err, checked=exact, ok=(not exact) or err < 1e-4))
+  return rows
+
+
+def print_table(rows):
+  print(f"{'case':<58} {'impl':<7} {'median':>9} {'vs scan':>8} {'temp MiB':>9} "
+        f"{'vs scan':>8} {'rel.diff':>9}")
+  for r in rows:
+    diff = f"{r['rel_diff_vs_ref']:.1e}" + ("" if r["checked"] else "*")
+    print(f"{r['case']:<58} {r['impl']:<7} {r['time_s'] * 1e3:>7.1f}ms "
+          f"{r['speedup_vs_scan_grad']:>7.2f}x {r['temp_bytes'] / 2**20:>9.2f} "
+          f"{r['memory_vs_scan_grad']:>7.2f}x {diff:>9}")
+  print("vs scan: jit(grad) of the masked-scan reference in the same run (time: "
+        "speedup; memory: compiled temporaries ratio). * = approximate mode, "
+        "difference reported, not checked.")
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--json", help="also write the results to this file")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--impls", default="xla,pallas")
+  args = parser.parse_args(argv)
+  print(f"pallas_loop gradient modes: JAX {jax.__version__}, device "
+        f"{jax.devices()[0].device_kind} ({jax.default_backend()})")
+  if jax.default_backend() == "cpu":
+    print("note: on CPU the Pallas kernels (forward and fused backward) run in "
+          "interpret mode; medians of", args.repeats)
+  rows = []
+  for case in DEFAULT_CASES:
+    rows += run_case(case, args.impls.split(","), args.repeats)
+  print_table(rows)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(jax=jax.__version__, results=rows), f, indent=1)
+  bad = [r for r in rows if not r["ok"]]
+  for r in bad:
+    print(f"MISMATCH: {r['impl']} on {r['case']}: {r['rel_diff_vs_ref']:.3e}", file=sys.stderr)
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

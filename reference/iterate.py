@@ -9,6 +9,9 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+# The per-(row, step) key derivation is public API: the oracle uses it too.
+import pallas_loop.random
+
 
 class IterateInfo(NamedTuple):
   """Per-row statistics, as in `pallas_loop.IterateInfo`."""
@@ -29,12 +32,14 @@ def iterate(
     tol: Any = None,
     halt: Callable[..., Any] | None = None,
     min_iters: Any = 0,
+    key: Any = None,
     return_info: bool = False,
 ):
   """Applies `step` clip(iters[i], 0, max_iters) times to row i of `h0`.
 
   Args:
-    step: step(params, h, x) -> h_new on all rows at once (row independent).
+    step: step(params, h, x) -> h_new on all rows at once (row independent);
+      with `key`, step(params, h, x, k).
     params: pytree shared by every row, or None.
     h0: pytree of arrays [B, ...].
     x: pytree of arrays [B, ...], or None.
@@ -46,6 +51,13 @@ def iterate(
     halt: halt(params, h_new, h, x) -> bool [B], the same timing rule, OR-ed
       with tol.
     min_iters: no halting before this many steps.
+    key: a JAX PRNG key, or None. At scan step t (0-based) `step` gets
+      k = pallas_loop.random.step_keys(pallas_loop.random.key_data(key),
+      rows, t), uint32 [B, 2], with rows = arange(B)[:, None] and t
+      broadcast to [B, 1]: row i's key at step t, a pure function of
+      (key, i, t). A row applies its steps at t = 0, 1, ... (later steps
+      are computed and discarded), so the j-th step a row applies (0-based)
+      gets the key of (i, j) in every implementation.
     return_info: also return an `IterateInfo`.
 
   Returns:
@@ -61,13 +73,20 @@ def iterate(
   n = jnp.clip(jnp.broadcast_to(jnp.asarray(iters), (batch,)), 0, max_iters)
   n = n.astype(jnp.int32)
   n_elems = sum(int(np.prod(a.shape[1:])) for a in leaves)
+  if key is not None:
+    key_words = pallas_loop.random.key_data(key)
+    rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
 
   def per_row(mask, leaf):
     return mask.reshape((batch,) + (1,) * (leaf.ndim - 1))
 
   def body(carry, t):
     h, residual, steps, halted = carry
-    h_new = step(params, h, x)
+    if key is None:
+      h_new = step(params, h, x)
+    else:
+      k = pallas_loop.random.step_keys(key_words, rows, jnp.full((batch, 1), t, jnp.int32))
+      h_new = step(params, h, x, k)
     active = (t < n) & ~halted
     squares = sum(
         jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)).reshape(batch, -1), axis=1)

@@ -20,6 +20,7 @@ from scipy import stats
 
 import pallas_loop
 from pallas_loop import random as prand
+import reference
 from tests import lowering
 
 R, D, T = 64, 128, 32  # rows, columns, steps of the statistical draws
@@ -484,3 +485,72 @@ def test_kernel_lowers(platform, dtype):
                                 platform=platform)
   assert lowering.kernel_marker(platform) in text
   assert _KERNEL_NAME in text
+
+
+# ---------------------------------------------------------------------------
+# reference.iterate with key=: step(params, h, x, k), k = step_keys(key, row, t).
+
+
+def _ref_dropout(rate):
+  def step(params, h, x, k):
+    del params, x
+    return pallas_loop.random.dropout(k, h, rate) + 1.0
+  return step
+
+
+def test_reference_with_key_is_deterministic_and_key_dependent():
+  h0 = jnp.ones((8, 64))
+  n = jnp.array([0, 1, 2, 3, 4, 5, 6, 6], jnp.int32)
+  run = jax.jit(lambda key: reference.iterate(_ref_dropout(0.5), None, h0, iters=n, max_iters=6,
+                                              key=key))
+  a = run(jax.random.key(0))
+  np.testing.assert_array_equal(a, run(jax.random.key(0)))
+  np.testing.assert_array_equal(a, run(jax.random.PRNGKey(0)))  # legacy key: same words
+  b = run(jax.random.key(1))
+  assert not np.array_equal(a[1:], b[1:])
+  np.testing.assert_array_equal(a[0], h0[0])  # zero steps: untouched
+
+
+def test_reference_dropout_rate_zero_equals_no_key():
+  h0 = jnp.linspace(-1, 1, 8 * 32, dtype=jnp.float32).reshape(8, 32)
+  n = jnp.arange(8, dtype=jnp.int32) % 5
+  with_key = reference.iterate(_ref_dropout(0.0), None, h0, iters=n, max_iters=4,
+                               key=jax.random.key(3), return_info=True)
+  no_key = reference.iterate(lambda p, h, x: h + 1.0, None, h0, iters=n, max_iters=4,
+                             return_info=True)
+  np.testing.assert_array_equal(with_key[0], no_key[0])
+  np.testing.assert_array_equal(with_key[1].steps, no_key[1].steps)
+
+
+def test_reference_row_gets_key_of_its_row_and_step():
+  """Row i's j-th applied step uses step_keys(key, i, j): rebuilt by hand."""
+  rate, batch, cols, max_iters = 0.5, 6, 32, 5
+  key = jax.random.key(9)
+  n = jnp.array([0, 5, 2, 3, 9, 1], jnp.int32)
+  h0 = jnp.full((batch, cols), 0.5, jnp.float32)
+
+  def step(params, h, x, k):
+    del params, x
+    return pallas_loop.random.dropout(k, h, rate) + pallas_loop.random.uniform(
+        pallas_loop.random.fold_in(k, 1), h.shape)
+
+  got, g_h0 = jax.value_and_grad(
+      lambda h: jnp.sum(reference.iterate(step, None, h, iters=n, max_iters=max_iters, key=key)))(h0)
+  data = prand.key_data(key)
+  want, want_grad = [], []
+  for i in range(batch):
+    h, grad = h0[i:i + 1], jnp.ones((1, cols))
+    for j in range(min(int(n[i]), max_iters)):
+      k = prand.step_keys(data, jnp.full((1, 1), i, jnp.int32), jnp.full((1, 1), j, jnp.int32))
+      keep = prand.bernoulli(k, 1 - rate, h.shape)
+      h = prand.dropout(k, h, rate) + prand.uniform(prand.fold_in(k, 1), h.shape)
+      grad = jnp.where(keep, grad * np.float32(1 / (1 - rate)), 0.0)
+    want.append(h)
+    want_grad.append(grad)
+  np.testing.assert_allclose(got, jnp.sum(jnp.concatenate(want)), rtol=1e-6)
+  np.testing.assert_array_equal(g_h0, jnp.concatenate(want_grad))  # autodiff through the masks
+
+
+def test_reference_rejects_a_bad_key():
+  with pytest.raises(TypeError, match=r"jax.random.key\(seed\)"):
+    reference.iterate(_ref_dropout(0.1), None, jnp.ones((4, 8)), iters=2, max_iters=2, key=0)

@@ -17,6 +17,7 @@ from pallas_loop import backward as backward_lib
 from pallas_loop import dispatch
 from pallas_loop import grad_modes
 from pallas_loop import info as info_lib
+from pallas_loop import random as random_lib
 from pallas_loop import step_fn as step_fn_lib
 from pallas_loop import validation
 
@@ -32,6 +33,7 @@ def iterate(
     tol: Any = None,
     halt: Callable[..., Any] | None = None,
     min_iters: Any = 0,
+    key: Any = None,
     grad: Any = "full",
     implementation: str | None = None,
     interpret: Any = None,
@@ -71,6 +73,14 @@ def iterate(
       `pallas_loop.halting` for ready ones. Counts as the step budget still
       caps every row.
     min_iters: int (static or traced): no halting before this many steps.
+    key: a JAX PRNG key (`jax.random.key(...)` or a legacy uint32[2] key) or
+      None. With a key, `step` is called as `step(params, h, x, k)` where k
+      is uint32 [rows, 2]: row i's key at its step t (0-based) is
+      `pallas_loop.random.step_keys(key_data(key), i, t)`, a pure function
+      of (key, i, t) with i the row's index in this batch, so results do not
+      depend on the implementation, tiling or row order. Draw with
+      `pallas_loop.random.uniform/normal/bernoulli/dropout(k, shape)`
+      (jax.random does not lower inside the Triton kernel).
     grad: the gradient mode: "full" (= `Full()`: exact, checkpointed, memory
       O(sqrt(max_iters))), `Truncated(k)` (through each row's last k steps),
       `Implicit(tol, max_iters)` (implicit-function gradient at a fixed
@@ -109,7 +119,13 @@ def iterate(
   batch = validation.batch_size(h0, x)
   counts = validation.counts_from_iters(iters, batch, max_iters)
   halting = validation.halting_operands(tol, halt, min_iters)
-  body = step_fn_lib.with_halt(step, halt)
+  keys = None
+  if key is not None:
+    # Closed over by the body, the key's words become one of the step's
+    # hoisted operands (an integer one: it gets no gradient).
+    words = random_lib.key_data(key).reshape(1, 2)
+    keys = lambda t, rows: random_lib.step_keys(words, rows, t)
+  body = step_fn_lib.with_halt(step, halt, keys)
   consts, (h_shape, flag_shape) = step_fn_lib.trace_step(body, params, h0, x)
   step_fn_lib.check_step_output(h_shape, h0)
   step_fn_lib.check_halt_output(flag_shape, batch)

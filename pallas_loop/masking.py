@@ -98,7 +98,7 @@ def run_loop(body, params, h, x, counts, rows, halting: Halting | None,
   Returns:
     The final `LoopState`.
   """
-  rows = counts.shape[0]
+  n_rows = counts.shape[0]
 
   def step(carry):
     t, _, s = carry
@@ -111,7 +111,7 @@ def run_loop(body, params, h, x, counts, rows, halting: Halting | None,
       if halting.tol is not None:
         met = met | (rms <= halting.tol)  # NaN never converges
       if flag is not None:
-        met = met | _as_column(flag, rows)
+        met = met | _as_column(flag, n_rows)
       stop = running & met & (t + 1 >= halting.min_iters)
       halted = jnp.where(stop, 1, halted)
     new = LoopState(

@@ -9,6 +9,9 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+# The per-(row, step) key derivation is public API: the oracle uses it too.
+import pallas_loop.random
+
 
 class IterateInfo(NamedTuple):
   """Per-row statistics, as in `pallas_loop.IterateInfo`."""
@@ -29,13 +32,15 @@ def iterate(
     tol: Any = None,
     halt: Callable[..., Any] | None = None,
     min_iters: Any = 0,
+    key: Any = None,
     grad: Any = "full",
     return_info: bool = False,
 ):
   """Applies `step` clip(iters[i], 0, max_iters) times to row i of `h0`.
 
   Args:
-    step: step(params, h, x) -> h_new on all rows at once (row independent).
+    step: step(params, h, x) -> h_new on all rows at once (row independent);
+      with `key`, step(params, h, x, k).
     params: pytree shared by every row, or None.
     h0: pytree of arrays [B, ...].
     x: pytree of arrays [B, ...], or None.
@@ -47,6 +52,13 @@ def iterate(
     halt: halt(params, h_new, h, x) -> bool [B], the same timing rule, OR-ed
       with tol.
     min_iters: no halting before this many steps.
+    key: a JAX PRNG key, or None. At scan step t (0-based) `step` gets
+      k = pallas_loop.random.step_keys(pallas_loop.random.key_data(key),
+      rows, t), uint32 [B, 2], with rows = arange(B)[:, None] and t
+      broadcast to [B, 1]: row i's key at step t, a pure function of
+      (key, i, t). A row applies its steps at t = 0, 1, ... (later steps
+      are computed and discarded), so the j-th step a row applies (0-based)
+      gets the key of (i, j) in every implementation.
     grad: "full" (plain autodiff through the scan) or `Truncated(k)` (any
       object of a class named Truncated with an int `k`, e.g.
       `pallas_loop.Truncated(k)`): each row's steps before its last k applied
@@ -66,20 +78,21 @@ def iterate(
     # Which steps are the last k is known only once halting has run: find the
     # applied steps first (no gradient needed), then replay exactly them.
     _, info = iterate(step, params, h0, x, iters=iters, max_iters=max_iters, tol=tol,
-                      halt=halt, min_iters=min_iters, return_info=True)
+                      halt=halt, min_iters=min_iters, key=key, return_info=True)
     steps = lax.stop_gradient(info.steps)
-    h = _scan(step, params, h0, x, steps, max_iters, None, None, 0, truncate=(steps, grad.k))[0]
+    h = _scan(step, params, h0, x, steps, max_iters, None, None, 0, key,
+              truncate=(steps, grad.k))[0]
     return (h, info) if return_info else h
   if not (isinstance(grad, str) and grad == "full"):
     raise ValueError(f"reference.iterate supports grad='full' or Truncated(k), got {grad!r}.")
   h, residual, steps, halted = _scan(step, params, h0, x, iters, max_iters, tol, halt,
-                                     min_iters, truncate=None)
+                                     min_iters, key, truncate=None)
   if not return_info:
     return h
   return h, IterateInfo(steps=steps, residual=lax.stop_gradient(residual), halted=halted)
 
 
-def _scan(step, params, h0, x, iters, max_iters, tol, halt, min_iters, truncate):
+def _scan(step, params, h0, x, iters, max_iters, tol, halt, min_iters, key, truncate):
   """The masked scan; `truncate=(steps, k)` stops gradients before the last k."""
   leaves = jax.tree_util.tree_leaves(h0)
   batch = leaves[0].shape[0]
@@ -87,12 +100,20 @@ def _scan(step, params, h0, x, iters, max_iters, tol, halt, min_iters, truncate)
   n = n.astype(jnp.int32)
   n_elems = sum(int(np.prod(a.shape[1:])) for a in leaves)
 
+  if key is not None:
+    key_words = pallas_loop.random.key_data(key)
+    rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+
   def per_row(mask, leaf):
     return mask.reshape((batch,) + (1,) * (leaf.ndim - 1))
 
   def body(carry, t):
     h, residual, steps, halted = carry
-    h_new = step(params, h, x)
+    if key is None:
+      h_new = step(params, h, x)
+    else:
+      k = pallas_loop.random.step_keys(key_words, rows, jnp.full((batch, 1), t, jnp.int32))
+      h_new = step(params, h, x, k)
     active = (t < n) & ~halted
     squares = sum(
         jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)).reshape(batch, -1), axis=1)

@@ -15,6 +15,7 @@ from jax import lax
 
 from pallas_loop import dispatch
 from pallas_loop import info as info_lib
+from pallas_loop import sharding
 from pallas_loop import step_fn as step_fn_lib
 from pallas_loop import validation
 from pallas_loop import vjp_full
@@ -112,8 +113,12 @@ def iterate(
   forward = dispatch.forward_fn(
       fn, implementation=implementation, interpret=interpret,
       block_rows=block_rows, sort_rows=sort_rows)
-  h, residual, steps, halted = _with_custom_vjp(forward, fn, max_iters)(
-      params, consts, h0, x, counts, halting)
+  loop = _with_custom_vjp(forward, fn, max_iters)
+  # --- sharding hook: run `loop` (differentiable) on each device's own rows
+  # when the rows are sharded over explicit mesh axes; else `loop` itself.
+  loop = sharding.per_shard(loop, warn_auto=implementation != "xla")
+  # --- end sharding hook
+  h, residual, steps, halted = loop(params, consts, h0, x, counts, halting)
   if not return_info:
     return h
   return h, info_lib.IterateInfo(steps=steps, residual=lax.stop_gradient(residual),

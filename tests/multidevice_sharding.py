@@ -114,24 +114,28 @@ def test_forward_and_grads_match_reference_per_shard(impl):
 
 
 def test_two_axis_mesh_rows_on_data_with_info_and_halting():
-  # Rows over "data" (4 ways), replicated over "model" (2 ways); the state is
-  # a pytree, iters a scalar, halting on, IterateInfo returned.
+  # Rows over "data" (4 ways), replicated over "model" (2 ways), the mesh set
+  # as context; the state is a pytree whose leaf "b" also splits its feature
+  # axis over "model" (gathered for the loop, split again on the way out);
+  # iters a scalar, halting on, IterateInfo returned.
   params, h0, x, n = _inputs(1)
   mesh = jax.make_mesh((4, 2), ("data", "model"))
-  rows = NamedSharding(mesh, P("data"))
   state = {"a": h0, "b": h0[:, :2] * 2}
   step = lambda p, h, x_: {"a": _step(p, h["a"], x_), "b": jnp.cos(h["b"]) * p[1][:2]}
   kw = dict(iters=4, max_iters=MAX_ITERS, tol=0.05, min_iters=1, return_info=True)
-  s_state, s_x = jax.device_put((state, x), rows)
-  got, info = jax.jit(lambda p, h, x_: pallas_loop.iterate(
-      step, p, h, x_, implementation="pallas", interpret=True, block_rows=4, **kw))(
-          params, s_state, s_x)
+  s_state = {"a": jax.device_put(state["a"], NamedSharding(mesh, P("data"))),
+             "b": jax.device_put(state["b"], NamedSharding(mesh, P("data", "model")))}
+  s_x = jax.device_put(x, NamedSharding(mesh, P("data")))
+  with jax.set_mesh(mesh):
+    got, info = jax.jit(lambda p, h, x_: pallas_loop.iterate(
+        step, p, h, x_, implementation="pallas", interpret=True, block_rows=4, **kw))(
+            params, s_state, s_x)
   want, want_info = reference.iterate(step, params, state, x, **kw)
   oracle.assert_trees_close(got, want)
   np.testing.assert_array_equal(info.steps, want_info.steps)
   np.testing.assert_array_equal(info.halted, want_info.halted)
   assert {k: v.sharding.spec for k, v in got.items()} == {"a": P("data", None),
-                                                           "b": P("data", None)}
+                                                           "b": P("data", "model")}
   assert info.steps.sharding.spec == P("data")
 
 
@@ -221,3 +225,22 @@ def test_auto_axes_xla_implementation_is_partitioned_by_xla_without_warning():
   assert set(found) <= {"all-reduce"}, found
   assert all(re.search(r"= s32\[\] all-reduce\(", l) for l in found.get("all-reduce", [])), found
   assert got.sharding.spec == P("rows")
+
+
+def test_grads_on_two_axis_mesh_rows_on_one_axis():
+  # Rows over "data"; the "model" devices of a data shard repeat its work.
+  # Their cotangents are summed over "model" (an all-reduce of this shard's
+  # h0/x cotangent: see docs/sharding.md, Limits); nothing is gathered.
+  params, h0, x, n = _inputs(7)
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  s_h0, s_x, s_n = jax.device_put((h0, x, n), NamedSharding(mesh, P("data")))
+  run = functools.partial(pallas_loop.iterate, implementation="pallas", interpret=True,
+                          block_rows=4)
+  grads = jax.jit(jax.grad(functools.partial(_loss, run), argnums=(0, 1, 2)))
+  got = grads(params, s_h0, s_x, s_n)
+  want = jax.grad(functools.partial(_loss, reference.iterate), argnums=(0, 1, 2))(
+      params, h0, x, n)
+  oracle.assert_trees_close(got, want, what="gradients")
+  assert got[1].sharding.spec == P("data", None)
+  found = _collectives(grads.lower(params, s_h0, s_x, s_n).compile().as_text())
+  assert set(found) == {"all-reduce"}, found

@@ -9,7 +9,7 @@ not happen: a Pallas kernel is an opaque custom call, so the partitioner
 gathers the whole state onto every device, and row sorting is a global
 permutation. So `per_shard` wraps the loop in `jax.shard_map` whenever the
 row sharding is visible in the arrays' types (explicit sharding, the default
-of `jax.make_mesh` in JAX >= 0.7), with
+of `jax.make_mesh` in JAX 0.11), with
 
   in_specs   P(rows) for the leaves of h0 and x and the counts,
              P() (replicated) for params, the step's constants and the
@@ -17,13 +17,19 @@ of `jax.make_mesh` in JAX >= 0.7), with
   out_specs  P(rows) for the final state and the per-row statistics.
 
 The shard_map is manual over every axis of the mesh: devices that share a
-slice of rows (other mesh axes, e.g. "model") compute the same thing.
+slice of rows (other mesh axes, e.g. "model") compute the same thing. (Being
+manual over the row axes only would spare the backward's sum over those
+axes, but the Triton lowering of JAX 0.11 fails on a kernel traced with
+explicit axes left in context.) `check_vma=False`: the user's step is
+replayed from a jaxpr that knows nothing of varying manual axes.
 
 Gradients come from differentiating that shard_map: the wrapped function is
 `iterate`'s custom_vjp, so each device runs the backward on its own rows, and
 JAX's transpose of the shard_map sums the cotangents of the replicated
 operands (params, constants) over the mesh (one all-reduce of the parameter
-gradients) while the cotangents of h0 and x stay sharded like h0 and x.
+gradients) while the cotangents of h0 and x stay sharded like h0 and x (on
+a mesh with axes that do not split the rows, they are also summed over those
+axes, whose devices repeated the work: an all-reduce, never a gather).
 
 Rows sorted by count (`sort_rows=True`) are sorted within a shard: the order
 is computed inside the shard_map, on the local counts.

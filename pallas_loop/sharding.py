@@ -103,6 +103,10 @@ def row_sharding(*row_trees):
   for leaf in tree_util.tree_leaves(row_trees):
     s = _sharding_of(leaf)
     if s is not None and _row_entry(s) is not None:
+      concrete = getattr(leaf, "sharding", None)
+      if isinstance(concrete, NamedSharding) and not isinstance(leaf, jax.core.Tracer):
+        # Called outside jit: resharding and shard_map need the real devices.
+        return concrete.mesh, _row_entry(s)
       return s.mesh, _row_entry(s)
   return None
 
@@ -188,7 +192,7 @@ def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[...
       return fn(params, consts, h0, x, counts, halting)
     mesh, entry = found
     context = jax.sharding.get_abstract_mesh()
-    if not context.empty and context != mesh:
+    if not context.empty and context != mesh.abstract_mesh:
       raise ValueError(
           f"pallas_loop.iterate: the rows of h0 are sharded over {mesh}, but "
           f"the context mesh is {context}; run iterate under the mesh that "

@@ -244,3 +244,16 @@ def test_grads_on_two_axis_mesh_rows_on_one_axis():
   assert got[1].sharding.spec == P("data", None)
   found = _collectives(grads.lower(params, s_h0, s_x, s_n).compile().as_text())
   assert set(found) == {"all-reduce"}, found
+
+
+def test_eager_call_with_a_numpy_input():
+  # Outside jit the real mesh is used; x, a NumPy array, is split like h0.
+  params, h0, x, n = _inputs(8)
+  mesh = _row_mesh()
+  rows = NamedSharding(mesh, P("rows"))
+  got = pallas_loop.iterate(_step, params, jax.device_put(h0, rows), np.asarray(x),
+                            iters=n, max_iters=MAX_ITERS, implementation="pallas",
+                            interpret=True, block_rows=4)
+  oracle.assert_trees_close(
+      got, reference.iterate(_step, params, h0, x, iters=n, max_iters=MAX_ITERS))
+  assert got.sharding.is_equivalent_to(rows, got.ndim), got.sharding

@@ -49,6 +49,7 @@ import warnings
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax import tree_util
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
@@ -86,7 +87,7 @@ def _row_entry(s: NamedSharding):
 
 
 def row_sharding(*row_trees):
-  """Where the rows of `row_trees` live: (abstract mesh, spec entry) or None.
+  """Where the rows of `row_trees` live: (mesh, spec entry) or None.
 
   The first leaf (h0's first, then x's, then the counts') whose type shows
   its row axis split over explicit mesh axes decides; other leaves are
@@ -98,7 +99,8 @@ def row_sharding(*row_trees):
   Returns:
     None when no leaf's row axis is sharded over explicit mesh axes, else
     `(mesh, entry)` with `entry` the PartitionSpec entry of axis 0
-    (e.g. "rows" or ("data", "fsdp")).
+    (e.g. "rows" or ("data", "fsdp")) and `mesh` the abstract mesh of the
+    types under a trace, the concrete mesh of the arrays outside one.
   """
   for leaf in tree_util.tree_leaves(row_trees):
     s = _sharding_of(leaf)
@@ -150,6 +152,22 @@ def _reshard(tree, mesh, spec_of):
   return tree_util.tree_map(one, tree)
 
 
+def _output_spec(h0_leaf, entry) -> P:
+  """How a final-state leaf leaves `per_shard`: rows split over `entry`, the
+  trailing axes split as in its h0 leaf (the loop needed them whole).
+
+  Rows stay split even where the h0 leaf was replicated (the rows being
+  sharded through x or the counts): gathering them back would be exactly the
+  all-gather of the state that running per shard avoids.
+  """
+  s = _sharding_of(h0_leaf)
+  ndim = np.ndim(h0_leaf)
+  trailing = s.spec._normalized_spec_for_aval(ndim)[1:] if s is not None else (None,) * (ndim - 1)
+  taken = set(_axes(entry))
+  trailing = tuple(None if set(_axes(t)) & taken else t for t in trailing)
+  return P(entry, *trailing)
+
+
 def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[..., Any]:
   """`fn(params, consts, h0, x, counts, halting)` run on each shard's rows.
 
@@ -158,8 +176,8 @@ def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[...
   others [B]. When the row axis of `h0`, `x` or `counts` is sharded over
   explicit mesh axes, the returned function runs `fn` under `jax.shard_map`
   on each device's B/n rows (see the module doc) and returns outputs sharded
-  like the inputs (each leaf of `h` like the matching leaf of `h0`, the
-  statistics over the row axes); otherwise it is `fn` itself. It is
+  like the inputs (rows over the same mesh axes; each leaf of `h` with the
+  trailing-axis sharding of its `h0` leaf); otherwise it is `fn` itself. It is
   differentiable wherever `fn` is: the cotangents of params/consts are summed
   over the mesh, those of h0/x stay sharded.
 
@@ -209,7 +227,7 @@ def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[...
 
     rows = lambda a: P(entry, *(None,) * (a.ndim - 1))
     everywhere = lambda a: P()
-    h_shardings = [_sharding_of(a) for a in tree_util.tree_leaves(h0)]
+    h_specs = [_output_spec(a, entry) for a in tree_util.tree_leaves(h0)]
     h0, x, counts = _reshard((h0, x, counts), mesh, rows)
     params, consts, halting = _reshard((params, consts, halting), mesh, everywhere)
 
@@ -218,12 +236,9 @@ def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[...
         in_specs=(P(), P(), P(entry), P(entry), P(entry), P()),
         out_specs=P(entry), check_vma=False)
     h, residual, steps, halted = sharded(params, consts, h0, x, counts, halting)
-    # Keep each state leaf sharded like the h0 leaf it came from (that may
-    # also split trailing axes, which the loop needed whole).
     h_leaves, h_tree = tree_util.tree_flatten(h)
     h = tree_util.tree_unflatten(h_tree, [
-        a if s is None else _reshard(a, mesh, lambda _, s=s: s.spec)
-        for a, s in zip(h_leaves, h_shardings)])
+        _reshard(a, mesh, lambda _, spec=spec: spec) for a, spec in zip(h_leaves, h_specs)])
     return h, residual, steps, halted
 
   return run

@@ -185,6 +185,22 @@ def test_replicated_inputs_on_a_mesh_run_unsharded():
   assert got.sharding.spec == P(None, None)
 
 
+def test_rows_sharded_through_x_only_stay_sharded():
+  # h0 replicated, x split by rows: each device slices its rows of h0
+  # locally and the output keeps the rows split (no gather back).
+  params, h0, x, n = _inputs(9)
+  mesh = _row_mesh()
+  s_h0 = jax.device_put(h0, NamedSharding(mesh, P()))
+  s_x = jax.device_put(x, NamedSharding(mesh, P("rows")))
+  f = jax.jit(lambda h, x_: pallas_loop.iterate(
+      _step, params, h, x_, iters=n, max_iters=MAX_ITERS, implementation="xla"))
+  got = f(s_h0, s_x)
+  oracle.assert_trees_close(
+      got, reference.iterate(_step, params, h0, x, iters=n, max_iters=MAX_ITERS))
+  assert got.sharding.spec == P("rows", None)
+  assert _collectives(f.lower(s_h0, s_x).compile().as_text()) == {}
+
+
 def test_auto_axes_warn_and_explicit_axes_is_the_way_out():
   params, h0, x, n = _inputs(5)
   mesh = jax.make_mesh((8,), ("rows",), axis_types=(AxisType.Auto,))

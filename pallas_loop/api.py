@@ -18,6 +18,7 @@ from pallas_loop import dispatch
 from pallas_loop import grad_modes
 from pallas_loop import info as info_lib
 from pallas_loop import random as random_lib
+from pallas_loop import sharding
 from pallas_loop import step_fn as step_fn_lib
 from pallas_loop import validation
 
@@ -139,8 +140,11 @@ def iterate(
       block_rows=block_rows, sort_rows=sort_rows)
   options = dict(implementation=implementation, interpret=interpret,
                  block_rows=block_rows, sort_rows=sort_rows)
-  h, residual, steps, halted = _with_custom_vjp(
-      forward, window, fn, mode, max_iters, options)(params, consts, h0, x, counts, halting)
+  loop = _with_custom_vjp(forward, window, fn, mode, max_iters, options)
+  # Rows sharded over explicit mesh axes: run `loop` (differentiable) on each
+  # device's own rows (`sharding.py`); else `loop` itself.
+  loop = sharding.per_shard(loop, warn_auto=implementation != "xla")
+  h, residual, steps, halted = loop(params, consts, h0, x, counts, halting)
   if not return_info:
     return h
   return h, info_lib.IterateInfo(steps=steps, residual=lax.stop_gradient(residual),

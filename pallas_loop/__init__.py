@@ -9,5 +9,6 @@ from pallas_loop._version import __version__
 from pallas_loop import halting
 from pallas_loop.api import iterate
 from pallas_loop.info import IterateInfo
+from pallas_loop import testing
 
-__all__ = ["IterateInfo", "__version__", "halting", "iterate"]
+__all__ = ["IterateInfo", "__version__", "halting", "iterate", "testing"]

@@ -401,14 +401,15 @@ def check_row_independence(
   rows (a batch mean, a cross-row matmul) gives silently wrong results. Three
   checks, on your inputs:
 
-  1. Permuting the rows of `h` and `x` permutes `step`'s output.
-  2. Changing one row of `h` and `x` changes no other row's output, bit for
+  1. Changing one row of `h` and `x` changes no other row's output, bit for
      bit (a row-independent step computes each row from that row alone).
+  2. Permuting the rows of `h` and `x` permutes `step`'s output (catches a
+     step that depends on a row's position).
   3. A subset of the rows gives those rows' output (the kernel calls `step`
      on tiles, so it must also accept any number of rows).
 
-  Checks 1 and 3 use the per-dtype tolerances of `default_tolerance` (the
-  summation order of a matmul may depend on a row's position); check 2 is
+  Checks 2 and 3 use the per-dtype tolerances of `default_tolerance` (the
+  summation order of a matmul may depend on a row's position); check 1 is
   exact.
 
   Args:
@@ -418,9 +419,9 @@ def check_row_independence(
     x: pytree of arrays [B, ...], or None.
     key: PRNG key for the permutation, the subset and the perturbations
       (default `jax.random.key(0)`).
-    rows: the rows to perturb one at a time in check 2 (default: the first,
+    rows: the rows to perturb one at a time in check 1 (default: the first,
       the last and one random row).
-    rtol, atol: override the tolerances of checks 1 and 3.
+    rtol, atol: override the tolerances of checks 2 and 3.
 
   Returns:
     None.
@@ -450,23 +451,7 @@ def check_row_independence(
   run = jax.jit(step)
   out = run(params, h, x)
 
-  # 1. Permuting the rows permutes the output.
-  perm = np.asarray(jax.random.permutation(k_perm, batch))
-  got = run(params, _take_rows(h, perm), _take_rows(x, perm))
-  failed = [c for c in _compare_trees("output h", got, _take_rows(out, perm),
-                                      rtol=rtol, atol=atol, by_row=True) if not c.ok]
-  if failed:
-    lines = []
-    for c in failed:
-      moved = [f"{perm[i]} (moved to {i})" for i in c.bad]
-      more = ", ..." if c.n_bad > len(c.bad) else ""
-      lines.append(f"{c.name}: rows {', '.join(moved)}{more} ({c.n_bad} of {batch}) "
-                   f"differ from the unpermuted output, max abs err {c.max_abs:.3g}")
-    raise AssertionError(
-        "permuting the rows of h/x did not permute step's output:\n  "
-        + "\n  ".join(lines) + "\n" + _MIXING_HINT)
-
-  # 2. Changing one row changes no other row (exactly).
+  # 1. Changing one row changes no other row (exactly).
   if rows is None:
     rows = sorted({0, batch - 1, int(jax.random.randint(k_row, (), 0, batch))})
   for i, r in enumerate(np.atleast_1d(np.asarray(rows))):
@@ -485,6 +470,22 @@ def check_row_independence(
     if lines:
       raise AssertionError(
           f"changing row {r} of h/x " + "; ".join(lines) + ".\n" + _MIXING_HINT)
+
+  # 2. Permuting the rows permutes the output.
+  perm = np.asarray(jax.random.permutation(k_perm, batch))
+  got = run(params, _take_rows(h, perm), _take_rows(x, perm))
+  failed = [c for c in _compare_trees("output h", got, _take_rows(out, perm),
+                                      rtol=rtol, atol=atol, by_row=True) if not c.ok]
+  if failed:
+    lines = []
+    for c in failed:
+      moved = [f"{perm[i]} (moved to {i})" for i in c.bad]
+      more = ", ..." if c.n_bad > len(c.bad) else ""
+      lines.append(f"{c.name}: rows {', '.join(moved)}{more} ({c.n_bad} of {batch}) "
+                   f"differ from the unpermuted output, max abs err {c.max_abs:.3g}")
+    raise AssertionError(
+        "permuting the rows of h/x did not permute step's output:\n  "
+        + "\n  ".join(lines) + "\n" + _MIXING_HINT)
 
   # 3. A subset of rows (a tile) gives those rows' output.
   sub = np.sort(np.asarray(jax.random.permutation(k_sub, batch))[:max(1, batch // 2)])

@@ -11,8 +11,7 @@ calls the module:
     step = lambda params, h, x: eqx.combine(params, static)(h, x)
 
 Equinox layers act on one example, so the cell maps its layers over the rows
-with `jax.vmap` (which becomes a plain matmul over the row tile, also inside
-the Pallas kernel). A jitted training step takes the gradient w.r.t. `params`
+with `jax.vmap` (which traces to a matmul over the row tile). A jitted training step takes the gradient w.r.t. `params`
 through `iterate` (each row applies the cell its own number of times) and
 applies an SGD update. The script checks the first gradient against
 `reference.iterate` and that the loss went down, then prints OK.

@@ -31,6 +31,7 @@ import numpy as np
 
 import reference
 from pallas_loop import api
+from pallas_loop import grad_modes
 from pallas_loop import step_fn as step_fn_lib
 from pallas_loop import validation
 
@@ -139,7 +140,7 @@ class ReferenceCheck:
     comparisons: one `Comparison` per leaf of the output, of the gradients
       and (with halting) of `info.steps` / `info.halted`.
     gradients_compared: False when gradients were skipped (`grads=False`, or
-      a `grad` mode other than "full", which the reference does not have).
+      `Implicit`/`Phantom`, which the reference does not have).
   """
 
   comparisons: tuple[Comparison, ...]
@@ -245,10 +246,11 @@ def check_against_reference(
   Options are split by who understands them: `implementation`, `interpret`,
   `block_rows`, `sort_rows` and `grad` go only to `iterate`; `tol`, `halt`,
   `min_iters` (and any other keyword `reference.iterate` accepts, such as
-  `key` where it exists) go to both. Gradients are compared only for
-  `grad="full"` (the default): the other modes (truncated, implicit,
-  phantom) approximate the gradient on purpose and the reference has no
-  counterpart, so with them only the forward is compared.
+  `key`) go to both. Gradients are compared for the exact modes:
+  `grad="full"` (the default), `Full(...)`, and `Truncated(k)` (against the
+  reference's `stop_gradient` truncation); `Implicit` and `Phantom`
+  approximate the gradient on purpose and the reference has no counterpart,
+  so with them only the forward is compared.
 
   Args:
     step: `step(params, h, x) -> h_new`, as for `pallas_loop.iterate`.
@@ -300,7 +302,11 @@ def check_against_reference(
   shared = {k: v for k, v in options.items()
             if k in ref_accepts and k not in _ITERATE_ONLY}
   grad_mode = options.get("grad", "full")
-  compare_grads = grads and isinstance(grad_mode, str) and grad_mode == "full"
+  if isinstance(grad_mode, grad_modes.Truncated):
+    shared["grad"] = grad_mode  # the reference truncates with stop_gradient
+  exact_mode = (isinstance(grad_mode, (grad_modes.Full, grad_modes.Truncated))
+                or (isinstance(grad_mode, str) and grad_mode == "full"))
+  compare_grads = grads and exact_mode
   halting = options.get("tol") is not None or options.get("halt") is not None
 
   def impl(p, h, x_):

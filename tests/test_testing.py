@@ -227,3 +227,26 @@ def test_row_independence_integer_and_bool_leaves():
   testing.check_row_independence(lambda p, s, x_: (s[0] * 2, ~s[1]), None, h)
   with pytest.raises(AssertionError, match=r"of output h\[0\]"):
     testing.check_row_independence(lambda p, s, x_: (s[0] + jnp.sum(s[0], axis=0), s[1]), None, h)
+
+
+def test_gradient_modes_are_compared_where_exact():
+  """Truncated(k) gradients are compared against the reference's truncation;
+  Phantom is an approximation: forward only."""
+  step, params, h0, x = blocks.make("tanh_rnn", 12, 16)
+  n = jnp.arange(12) % 6
+  report = pallas_loop.testing.check_against_reference(
+      step, params, h0, x, iters=n, max_iters=5, implementation="xla",
+      grad=pallas_loop.Truncated(2))
+  assert report.gradients_compared
+  report = pallas_loop.testing.check_against_reference(
+      step, params, h0, x, iters=n, max_iters=5, implementation="xla",
+      grad=pallas_loop.Phantom(2))
+  assert not report.gradients_compared
+
+
+def test_key_is_passed_to_both():
+  from pallas_loop import random as plr
+  step = lambda w, h, x, k: jnp.tanh(plr.dropout(k, h @ w, 0.5) + x)
+  _, params, h0, x = blocks.make("tanh_rnn", 12, 16)
+  pallas_loop.testing.check_against_reference(
+      step, params[0], h0, x, iters=jnp.arange(12) % 6, max_iters=5, key=jax.random.key(0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import pallas_loop
 from benchmarks import gpu_check
 from benchmarks import harness
 from benchmarks import run
@@ -26,3 +27,12 @@ def test_main_job_exits_zero(capsys):
 def test_gpu_check_smoke_mode_runs_anywhere(tmp_path):
   assert gpu_check.main(["--smoke", "--out", str(tmp_path / "r.json")]) == 0
   assert (tmp_path / "r.json").read_text().count('"impl"') == 8
+
+
+def test_gradient_mode_benchmark_agrees_on_a_tiny_case():
+  from benchmarks import grad_modes
+  case = grad_modes.GradCase("tanh_rnn", 16, 16, 4, pallas_loop.Truncated(2))
+  rows = grad_modes.run_case(case, ["xla", "pallas"], repeats=1)
+  assert [r["impl"] for r in rows] == ["xla", "pallas"]
+  assert all(r["ok"] and r["checked"] for r in rows), rows
+  assert all(r["temp_bytes"] > 0 for r in rows)

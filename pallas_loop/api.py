@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import jax
 from jax import lax
+import jax.numpy as jnp
 
 from pallas_loop import backward as backward_lib
 from pallas_loop import dispatch
@@ -144,7 +145,8 @@ def iterate(
   # Rows sharded over explicit mesh axes: run `loop` (differentiable) on each
   # device's own rows (`sharding.py`); else `loop` itself.
   loop = sharding.per_shard(loop, warn_auto=implementation != "xla")
-  h, residual, steps, halted = loop(params, consts, h0, x, counts, halting)
+  row_ids = jnp.arange(batch, dtype=jnp.int32)
+  h, residual, steps, halted = loop(params, consts, h0, x, counts, row_ids, halting)
   if not return_info:
     return h
   return h, info_lib.IterateInfo(steps=steps, residual=lax.stop_gradient(residual),
@@ -152,7 +154,7 @@ def iterate(
 
 
 def _with_custom_vjp(forward, window, fn, mode, max_iters, iterate_options):
-  """`forward` as a custom_vjp over (params, consts, h0, x, counts, halting).
+  """`forward` as a custom_vjp over (params, consts, h0, x, counts, row_ids, halting).
 
   The backward needs only the steps each row applied (saved from the
   forward), not the halting decisions: it replays exactly those steps. What
@@ -164,19 +166,19 @@ def _with_custom_vjp(forward, window, fn, mode, max_iters, iterate_options):
   keeps_input = isinstance(mode, (grad_modes.Full, grad_modes.Truncated))
 
   @jax.custom_vjp
-  def run(params, consts, h0, x, counts, halting):
-    return forward(params, consts, h0, x, counts, halting)
+  def run(params, consts, h0, x, counts, row_ids, halting):
+    return forward(params, consts, h0, x, counts, row_ids, halting)
 
-  def run_fwd(params, consts, h0, x, counts, halting):
-    out = forward(params, consts, h0, x, counts, halting)
-    saved = (params, consts, h0 if keeps_input else None, x, out[2],
+  def run_fwd(params, consts, h0, x, counts, row_ids, halting):
+    out = forward(params, consts, h0, x, counts, row_ids, halting)
+    saved = (params, consts, h0 if keeps_input else None, x, out[2], row_ids,
              out[0] if keeps_output else None)
     return out, saved
 
   def run_bwd(saved, cotangents):
     g_h = cotangents[0]  # residual, steps and halted are not differentiated
     g_params, g_consts, g_h0, g_x = backward_lib.backward(mode, ctx, saved, g_h)
-    return g_params, g_consts, g_h0, g_x, None, None
+    return g_params, g_consts, g_h0, g_x, None, None, None
 
   run.defvjp(run_fwd, run_bwd)
   return run

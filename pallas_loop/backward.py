@@ -14,7 +14,6 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
-from jax import lax
 from jax import tree_util
 import jax.numpy as jnp
 
@@ -28,9 +27,10 @@ class Context:
 
   Attributes:
     fn: the body as a `step_fn.StepFn` (fn(params, consts, h, x, t, rows)).
-    forward: the dispatched forward (params, consts, h0, x, counts, halting).
+    forward: the dispatched forward (params, consts, h0, x, counts, row_ids,
+      halting).
     window: the dispatched window VJP: window(params, consts, h_start, x, t0,
-      n, g, bound, every) -> (g_params, g_consts, g_h_start, g_x).
+      n, row_ids, g, bound, every) -> (g_params, g_consts, g_h_start, g_x).
     max_iters: the forward's static step bound.
     iterate_options: implementation/interpret/tiling options of the call,
       reused by `Implicit`'s adjoint solve.
@@ -49,37 +49,36 @@ def _zero_rows(keep, tree):
 
 
 def full(mode: grad_modes.Full, ctx: Context, saved, g):
-  params, consts, h0, x, steps, _ = saved
-  return ctx.window(params, consts, h0, x, jnp.zeros_like(steps), steps, g,
+  params, consts, h0, x, steps, row_ids, _ = saved
+  return ctx.window(params, consts, h0, x, jnp.zeros_like(steps), steps, row_ids, g,
                     ctx.max_iters, mode.checkpoint_every)
 
 
 def truncated(mode: grad_modes.Truncated, ctx: Context, saved, g):
-  params, consts, h0, x, steps, _ = saved
+  params, consts, h0, x, steps, row_ids, _ = saved
   n = jnp.minimum(steps, mode.k)
   skipped = steps - n
   # The state before each row's last n steps: rerun them, saving nothing.
-  h_start = ctx.forward(params, consts, h0, x, skipped, None)[0]
+  h_start = ctx.forward(params, consts, h0, x, skipped, row_ids, None)[0]
   g_params, g_consts, g_start, g_x = ctx.window(
-      params, consts, h_start, x, skipped, n, g, min(mode.k, ctx.max_iters), None)
+      params, consts, h_start, x, skipped, n, row_ids, g, min(mode.k, ctx.max_iters), None)
   return g_params, g_consts, _zero_rows(skipped == 0, g_start), g_x
 
 
 def phantom(mode: grad_modes.Phantom, ctx: Context, saved, g):
-  params, consts, _, x, steps, h_out = saved
+  params, consts, _, x, steps, row_ids, h_out = saved
   n = jnp.minimum(steps, mode.k)
   g_params, g_consts, _, g_x = ctx.window(
-      params, consts, h_out, x, steps - n, n, g, min(mode.k, ctx.max_iters), None)
+      params, consts, h_out, x, steps - n, n, row_ids, g, min(mode.k, ctx.max_iters), None)
   return g_params, g_consts, _zero_rows(steps == 0, g), g_x
 
 
 def implicit(mode: grad_modes.Implicit, ctx: Context, saved, g):
   from pallas_loop import api  # the adjoint solve is an iterate call
 
-  params, consts, _, x, steps, h_star = saved
-  batch = steps.shape[0]
+  params, consts, _, x, steps, row_ids, h_star = saved
   t_last = jnp.maximum(steps - 1, 0)[:, None]
-  rows = lax.broadcasted_iota(jnp.int32, (batch, 1), 0)
+  rows = row_ids[:, None]
 
   def f(shared, h, x_, t, r):
     return ctx.fn(shared[0], shared[1], h, x_, t, r)[0]

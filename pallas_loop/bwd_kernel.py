@@ -32,7 +32,6 @@ import numpy as np
 from pallas_loop import backend as backend_lib
 from pallas_loop import jaxpr_eval
 from pallas_loop import rows as rows_lib
-from pallas_loop import step_fn as step_fn_lib
 from pallas_loop import vjp_window
 
 KERNEL_NAME = "pallas_loop_iterate_bwd"
@@ -138,7 +137,7 @@ def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):
 
   def step(shared, h, x, t, rows):
     params, consts = shared
-    return wp.tile.traced.apply(consts, params, h, x, t, rows)[0]
+    return wp.tile.traced.apply(consts, params, h, x, t, rows, match_dots=True)[0]
 
   g_h, _, _ = vjp_window.reverse_window(
       step, shared, h, x, t0_ref[...], n_ref[...], rows_ref[...], g, every=every,
@@ -224,7 +223,7 @@ def plan(backend, tile_plan_fn, step_fn, params, consts, h, x, *, block_rows, bo
       problems=tuple(dict.fromkeys(problems)))
 
 
-def run(wp: WindowPlan, params, consts, h_start, x, t0, n, g, *, sort_rows: bool):
+def run(wp: WindowPlan, params, consts, h_start, x, t0, n, row_ids, g, *, sort_rows: bool):
   """Runs the backward kernel.
 
   Args:
@@ -233,6 +232,7 @@ def run(wp: WindowPlan, params, consts, h_start, x, t0, n, g, *, sort_rows: bool
       `step_fn.StepFn` order).
     h_start, x, g: leaves [B, ...].
     t0, n: int32 [B]: each row's first step index and window length.
+    row_ids: int32 [B]: each row's index in the caller's batch.
     sort_rows: order rows by descending window length before tiling.
 
   Returns:
@@ -243,7 +243,7 @@ def run(wp: WindowPlan, params, consts, h_start, x, t0, n, g, *, sort_rows: bool
   tile = wp.tile
   batch = n.shape[0]
   tb, padded = tile.block_rows, tile.rows
-  index = jnp.arange(batch, dtype=jnp.int32)
+  index = row_ids
   if sort_rows:
     order = rows_lib.descending_order(n)
     h_start, x, g, t0, n, index = rows_lib.take_rows((h_start, x, g, t0, n, index), order)

@@ -152,9 +152,10 @@ def _per_platform(what, plan, run_kernel, run_xla, *, implementation, interpret)
 
 
 def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
-  """The forward `f(params, consts, h0, x, counts, halting) -> outputs`.
+  """The forward `f(params, consts, h0, x, counts, row_ids, halting) -> outputs`.
 
-  Outputs are (h, residual, steps, halted), see `xla.forward`.
+  Outputs are (h, residual, steps, halted), see `xla.forward`; `row_ids`
+  (int32 [B]) are the rows' indices in the caller's batch (random keys).
 
   Args:
     step_fn: the body (step, then the halt criterion) as a `step_fn.StepFn`.
@@ -163,15 +164,15 @@ def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
     block_rows, sort_rows: kernel tiling options.
   """
 
-  def run_xla(params, consts, h0, x, counts, halting):
+  def run_xla(params, consts, h0, x, counts, row_ids, halting):
     body = lambda p, h, x_, t, rows: step_fn(p, consts, h, x_, t, rows)
-    return xla.forward(body, params, h0, x, counts, halting)
+    return xla.forward(body, params, h0, x, counts, row_ids, halting)
 
-  def plan(backend, params, consts, h0, x, counts, halting):
+  def plan(backend, params, consts, h0, x, counts, row_ids, halting):
     return kernel.plan(backend, step_fn, params, consts, h0, x, block_rows)
 
-  def run_kernel(p, params, consts, h0, x, counts, halting):
-    return kernel.run(p, params, h0, x, counts, halting, sort_rows=sort_rows,
+  def run_kernel(p, params, consts, h0, x, counts, row_ids, halting):
+    return kernel.run(p, params, h0, x, counts, row_ids, halting, sort_rows=sort_rows,
                       name=KERNEL_NAME)
 
   return _per_platform("forward", plan, run_kernel, run_xla,
@@ -179,7 +180,7 @@ def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
 
 
 def window_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
-  """The window VJP `w(params, consts, h_start, x, t0, n, g, bound, every)`.
+  """The window VJP `w(params, consts, h_start, x, t0, n, row_ids, g, bound, every)`.
 
   Returns (g_params, g_consts, g_h_start, g_x); see `vjp_window.py`. `bound`
   (the static bound on n) and `every` (checkpoint interval or None) are
@@ -187,22 +188,23 @@ def window_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
   kernel would.
   """
 
-  def window(params, consts, h_start, x, t0, n, g, bound, every):
-    def run_xla(params, consts, h_start, x, t0, n, g):
+  def window(params, consts, h_start, x, t0, n, row_ids, g, bound, every):
+    def run_xla(params, consts, h_start, x, t0, n, row_ids, g):
       step = lambda shared, h, x_, t, rows: step_fn(shared[0], shared[1], h, x_, t, rows)[0]
       (g_params, g_consts), g_h, g_x = vjp_window.backward_xla(
-          step, (params, consts), h_start, x, t0, n, g, window=bound, every=every)
+          step, (params, consts), h_start, x, t0, n, row_ids, g, window=bound, every=every)
       return g_params, g_consts, g_h, g_x
 
-    def plan(backend, params, consts, h_start, x, t0, n, g):
+    def plan(backend, params, consts, h_start, x, t0, n, row_ids, g):
       return bwd_kernel.plan(backend, kernel.plan, step_fn, params, consts, h_start, x,
                              block_rows=block_rows, bound=bound, every=every)
 
-    def run_kernel(p, params, consts, h_start, x, t0, n, g):
-      return bwd_kernel.run(p, params, consts, h_start, x, t0, n, g, sort_rows=sort_rows)
+    def run_kernel(p, params, consts, h_start, x, t0, n, row_ids, g):
+      return bwd_kernel.run(p, params, consts, h_start, x, t0, n, row_ids, g,
+                            sort_rows=sort_rows)
 
     return _per_platform("backward", plan, run_kernel, run_xla,
                          implementation=implementation, interpret=interpret)(
-                             params, consts, h_start, x, t0, n, g)
+                             params, consts, h_start, x, t0, n, row_ids, g)
 
   return window

@@ -6,7 +6,8 @@ XLA and Mosaic accept mixed operand dtypes; Triton's `tt.dot` does not ("a and
 b must have the same element type"). So the backward kernel traces the VJP
 to a jaxpr and evaluates it here, casting the narrower dot operand to the
 wider dtype (no precision is lost), inlining nested `jit` calls so that dots
-inside them are seen too.
+inside them are seen too. The forward kernel evaluates the step this way too
+(a step may itself contain a VJP: `Implicit`'s adjoint step does).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import numpy as np
 _INLINED = ("jit", "pjit", "closed_call", "core_call")
 
 
-def _eval(jaxpr, consts, args):
+def eval_jaxpr(jaxpr, consts, args):
+  """Like `jax.core.eval_jaxpr(jaxpr, consts, *args)`, with matched dots."""
   env = {}
 
   def read(v):
@@ -33,7 +35,7 @@ def _eval(jaxpr, consts, args):
     invals = [read(v) for v in eqn.invars]
     sub = eqn.params.get("jaxpr")
     if eqn.primitive.name in _INLINED and isinstance(sub, jex_core.ClosedJaxpr):
-      outs = _eval(sub.jaxpr, sub.consts, invals)
+      outs = eval_jaxpr(sub.jaxpr, sub.consts, invals)
     else:
       if eqn.primitive.name == "dot_general":
         dtypes = [np.dtype(a.dtype) for a in invals]
@@ -56,5 +58,5 @@ def call_with_matched_dots(fn, *args):
   """`fn(*args)`, traced and re-evaluated with single-dtype dot operands."""
   avals = tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args)
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*avals)
-  outs = _eval(closed.jaxpr, closed.consts, tree_util.tree_leaves(args))
+  outs = eval_jaxpr(closed.jaxpr, closed.consts, tree_util.tree_leaves(args))
   return tree_util.tree_unflatten(tree_util.tree_structure(out_shape), outs)

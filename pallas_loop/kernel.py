@@ -64,7 +64,7 @@ def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_r
   consts = [load(r, s) for r, s in zip(const_refs, spec.const_shapes)]
   x = tree_util.tree_unflatten(x_tree, [r[...] for r in x_refs])
   h = tree_util.tree_unflatten(h_tree, [r[...] for r in h_refs])
-  body = lambda p, h, x, t, rows: spec.traced.apply(consts, p, h, x, t, rows)
+  body = lambda p, h, x, t, rows: spec.traced.apply(consts, p, h, x, t, rows, match_dots=True)
   state = masking.run_loop(body, params, h, x, counts_ref[...], rows_ref[...], halting,
                            elems_per_row)
   for ref, leaf in zip(h_out_refs, tree_util.tree_leaves(state.h)):
@@ -133,7 +133,7 @@ def plan(backend, step_fn, params, consts, h0, x, block_rows=None) -> TilePlan:
       problems=tuple(problems))
 
 
-def run(tile_plan: TilePlan, params, h0, x, counts, halting, *, sort_rows: bool,
+def run(tile_plan: TilePlan, params, h0, x, counts, row_ids, halting, *, sort_rows: bool,
         name: str):
   """Runs the kernel: orders and pads rows, calls Pallas, restores the order.
 
@@ -141,6 +141,7 @@ def run(tile_plan: TilePlan, params, h0, x, counts, halting, *, sort_rows: bool,
     tile_plan: from `plan`, with no problems.
     params, h0, x: the operands (h0/x leaves [B, ...]).
     counts: int32 [B], already clipped to [0, max_iters].
+    row_ids: int32 [B], each row's index in the caller's batch.
     halting: None or `masking.Halting` (0-d operands).
     sort_rows: order rows by descending count before tiling.
     name: the `pallas_call` name.
@@ -151,7 +152,7 @@ def run(tile_plan: TilePlan, params, h0, x, counts, halting, *, sort_rows: bool,
   assert not tile_plan.problems, tile_plan.problems
   batch = counts.shape[0]
   tb, padded = tile_plan.block_rows, tile_plan.rows
-  index = jnp.arange(batch, dtype=jnp.int32)
+  index = row_ids
   if sort_rows:
     order = rows_lib.descending_order(counts)
     h0, x, counts, index = rows_lib.take_rows((h0, x, counts, index), order)

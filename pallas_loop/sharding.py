@@ -169,7 +169,7 @@ def _output_spec(h0_leaf, entry) -> P:
 
 
 def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[..., Any]:
-  """`fn(params, consts, h0, x, counts, halting)` run on each shard's rows.
+  """`fn(params, consts, h0, x, counts, row_ids, halting)` run on each shard's rows.
 
   `fn` is the (differentiable) loop over a batch: it returns
   `(h, residual, steps, halted)` with `h` structured like `h0` and the
@@ -182,9 +182,10 @@ def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[...
   over the mesh, those of h0/x stay sharded.
 
   Args:
-    fn: `fn(params, consts, h0, x, counts, halting) -> (h, residual, steps,
-      halted)`, row independent (every output row depends only on the same
-      row of h0, x and counts).
+    fn: `fn(params, consts, h0, x, counts, row_ids, halting) -> (h,
+      residual, steps, halted)`, row independent (every output row depends
+      only on the same row of h0, x, counts and row_ids: int32 [B], each
+      row's index in the caller's batch, sharded with the rows).
     warn_auto: warn (once) when the rows live on a multi-device mesh with
       Auto axes, where the sharding cannot be seen; iterate passes False for
       implementation="xla", which XLA partitions by rows on its own.
@@ -195,19 +196,20 @@ def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[...
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from pallas_loop import sharding
-    >>> loop = lambda p, c, h, x, n, halting: (h * p, h[:, 0], n, n > 0)
+    >>> loop = lambda p, c, h, x, n, ids, halting: (h * p, h[:, 0], n, n > 0)
     >>> h, *_ = sharding.per_shard(loop)(2.0, [], jnp.ones((4, 3)), None,
-    ...                                  jnp.ones(4, jnp.int32), None)
+    ...                                  jnp.ones(4, jnp.int32),
+    ...                                  jnp.arange(4, dtype=jnp.int32), None)
     >>> h.shape
     (4, 3)
   """
 
-  def run(params, consts, h0, x, counts, halting):
+  def run(params, consts, h0, x, counts, row_ids, halting):
     found = row_sharding(h0, x, counts)
     if found is None:
       if warn_auto:
         _warn_auto_axes((h0, x, counts))
-      return fn(params, consts, h0, x, counts, halting)
+      return fn(params, consts, h0, x, counts, row_ids, halting)
     mesh, entry = found
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context != mesh.abstract_mesh:
@@ -228,14 +230,16 @@ def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[...
     rows = lambda a: P(entry, *(None,) * (a.ndim - 1))
     everywhere = lambda a: P()
     h_specs = [_output_spec(a, entry) for a in tree_util.tree_leaves(h0)]
-    h0, x, counts = _reshard((h0, x, counts), mesh, rows)
+    # row_ids travel with their rows: a shard's rows keep their indices in
+    # the caller's batch (their random keys depend on them).
+    h0, x, counts, row_ids = _reshard((h0, x, counts, row_ids), mesh, rows)
     params, consts, halting = _reshard((params, consts, halting), mesh, everywhere)
 
     sharded = jax.shard_map(
         fn, mesh=mesh,
-        in_specs=(P(), P(), P(entry), P(entry), P(entry), P()),
+        in_specs=(P(), P(), P(entry), P(entry), P(entry), P(entry), P()),
         out_specs=P(entry), check_vma=False)
-    h, residual, steps, halted = sharded(params, consts, h0, x, counts, halting)
+    h, residual, steps, halted = sharded(params, consts, h0, x, counts, row_ids, halting)
     h_leaves, h_tree = tree_util.tree_flatten(h)
     h = tree_util.tree_unflatten(h_tree, [
         _reshard(a, mesh, lambda _, spec=spec: spec) for a, spec in zip(h_leaves, h_specs)])

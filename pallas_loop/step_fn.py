@@ -19,6 +19,8 @@ import jax
 from jax import tree_util
 import numpy as np
 
+from pallas_loop import jaxpr_eval
+
 
 def _aval_of(tree):
   return tree_util.tree_map(
@@ -123,10 +125,17 @@ class SpecializedStep:
   out_tree: Any
   sources: tuple = ()
 
-  def apply(self, const_values, params, h, x, t, rows):
-    """Evaluates the traced step; `const_values` may be loaded kernel refs."""
+  def apply(self, const_values, params, h, x, t, rows, *, match_dots=False):
+    """Evaluates the traced step; `const_values` may be loaded kernel refs.
+
+    `match_dots=True` (inside kernels) gives every dot operands of one dtype
+    (`jaxpr_eval.py`), which Triton requires.
+    """
     flat = tree_util.tree_leaves((params, h, x, t, rows))
-    out = jax.core.eval_jaxpr(self.jaxpr, list(const_values), *flat)
+    if match_dots:
+      out = jaxpr_eval.eval_jaxpr(self.jaxpr, list(const_values), flat)
+    else:
+      out = jax.core.eval_jaxpr(self.jaxpr, list(const_values), *flat)
     return tree_util.tree_unflatten(self.out_tree, out)
 
 

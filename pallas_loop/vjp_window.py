@@ -190,13 +190,14 @@ def reverse_window(step: Callable, shared, h_start, x, t0, n, rows, g, *,
   return g, acc_shared, acc_x
 
 
-def backward_xla(step: Callable, shared, h_start, x, t0, n, g, *, window: int,
+def backward_xla(step: Callable, shared, h_start, x, t0, n, row_ids, g, *, window: int,
                  every: int | None = None):
   """`reverse_window` on the whole batch in XLA.
 
   Args:
     step, shared, h_start, x, g: as in `reverse_window` (leaves [B, ...]).
     t0, n: int32 [B]: first step index and window length per row.
+    row_ids: int32 [B]: each row's index in the caller's batch.
     window: static bound on `n`.
     every: checkpoint interval (default `default_every(window)`).
 
@@ -205,8 +206,7 @@ def backward_xla(step: Callable, shared, h_start, x, t0, n, g, *, window: int,
     integer leaves).
   """
   every = every or default_every(window)
-  t0, n = t0[:, None], n[:, None]
-  rows = lax.broadcasted_iota(jnp.int32, n.shape, 0)
+  t0, n, rows = t0[:, None], n[:, None], row_ids[:, None]
   g_h, acc_shared, acc_x = reverse_window(
       step, shared, h_start, x, t0, n, rows, g, every=every,
       ckpt=ArrayBuffer.zeros(-(-window // every) if window else 1, h_start),

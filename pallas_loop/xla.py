@@ -8,25 +8,22 @@ and the fallback elsewhere.
 
 from __future__ import annotations
 
-from jax import lax
-import jax.numpy as jnp
-
 from pallas_loop import masking
 
 
-def forward(body, params, h0, x, counts, halting):
+def forward(body, params, h0, x, counts, row_ids, halting):
   """Runs the rows of the batch to their budgets or halting.
 
   Args:
     body: body(params, h, x, t, rows) -> (h_new, flag), row independent.
     params, h0, x: operands (h0/x leaves [B, ...]).
     counts: int32 [B], already clipped to [0, max_iters].
+    row_ids: int32 [B], each row's index in the caller's batch.
     halting: None or `masking.Halting`.
 
   Returns:
     (h, residual, steps, halted): final state; float32, int32, bool [B].
   """
-  rows = lax.broadcasted_iota(jnp.int32, (counts.shape[0], 1), 0)
-  s = masking.run_loop(body, params, h0, x, counts[:, None], rows, halting,
+  s = masking.run_loop(body, params, h0, x, counts[:, None], row_ids[:, None], halting,
                        masking.elems_per_row(h0))
   return s.h, s.residual[:, 0], s.steps[:, 0], s.halted[:, 0] > 0

@@ -273,3 +273,26 @@ def test_eager_call_with_a_numpy_input():
   oracle.assert_trees_close(
       got, reference.iterate(_step, params, h0, x, iters=n, max_iters=MAX_ITERS))
   assert got.sharding.is_equivalent_to(rows, got.ndim), got.sharding
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("mode", [pallas_loop.Truncated(2), pallas_loop.Phantom(2)])
+def test_gradient_modes_and_keys_per_shard(impl, mode):
+  """Other gradient modes and per-row keys: row i keeps its batch index's key
+  (the global index, not the index within its shard)."""
+  params, h0, x, n = _inputs(2)
+  rows = NamedSharding(_row_mesh(), P("rows"))
+  s_h0, s_x, s_n = jax.device_put((h0, x, n), rows)
+  key = jax.random.key(3)
+  step = lambda p, h, x_, k: _step(p, h, x_) + 0.1 * pallas_loop.random.normal(k, h.shape)
+  run = functools.partial(pallas_loop.iterate, **cases.IMPLEMENTATIONS[impl], block_rows=4)
+
+  def loss(run_, p, h, x_, n_, **kw):
+    out = run_(step, p, h, x_, iters=n_, max_iters=MAX_ITERS, key=key, grad=mode, **kw)
+    return jnp.sum(jnp.sin(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape) * out)
+
+  got = jax.jit(jax.value_and_grad(functools.partial(loss, run), argnums=(0, 1, 2)))(
+      params, s_h0, s_x, s_n)
+  want = jax.value_and_grad(functools.partial(loss, pallas_loop.iterate, implementation="xla"),
+                            argnums=(0, 1, 2))(params, h0, x, n)
+  oracle.assert_trees_close(got, want, what="value and gradients")

@@ -89,7 +89,7 @@ def test_flax_closed_over_module_is_differentiated(impl):
 def test_flax_stateful_module_closed_over_raises():
   """A module that mutates its state in __call__ (Dropout's RNG counter) cannot
   be closed over: step is traced in its own trace, and Flax refuses the
-  mutation with a TraceContextError (documented in docs/ecosystem.md)."""
+  mutation with a TraceContextError (documented in the README, "Using Flax / Equinox modules")."""
   nnx = _nnx()
   from flax import errors
 

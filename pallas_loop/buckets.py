@@ -49,9 +49,10 @@ from pallas_loop import rows as rows_lib
 # The ladder: linear steps of ~B/LINEAR_STEPS rows (bounded waste per step;
 # 8 balances that waste against the fixed cost of each stage on CPU),
 # then halving below the first step (bounded relative waste on the tail), no
-# bucket under MIN_ROWS rows (per-step overhead dominates there anyway).
+# bucket under MIN_ROWS rows (per-step overhead dominates there anyway, and
+# each stage is one more loop to compile).
 LINEAR_STEPS = 8
-MIN_ROWS = 8
+MIN_ROWS = 16
 ALIGN = 8
 
 
@@ -62,9 +63,10 @@ def _round_up(n: int, m: int) -> int:
 def bucket_sizes(batch: int) -> tuple[int, ...]:
   """The static row counts the step runs at, largest (= batch) first.
 
-  Multiples of a granularity g = B/8 (rounded up to 8 rows, at least 8),
-  then g/2, g/4, ... down to 8 rows. So a step on a rows wastes at most
-  g rows when a >= g, and less than half its rows below that.
+  Multiples of a granularity g = B/8 (rounded up to a multiple of 8 rows,
+  at least 16), then g/2, g/4, ... down to 16 rows. So a step on `a`
+  running rows computes at most g extra rows when a >= g, fewer than `a`
+  extra below that, and at most 16 rows when a <= 16.
 
   Args:
     batch: B, the number of rows (>= 0).
@@ -73,8 +75,8 @@ def bucket_sizes(batch: int) -> tuple[int, ...]:
     Strictly decreasing sizes, the first equal to `batch` (empty if B = 0).
 
   Example:
-    >>> bucket_sizes(64)
-    (64, 56, 48, 40, 32, 24, 16, 8)
+    >>> bucket_sizes(1024)
+    (1024, 896, 768, 640, 512, 384, 256, 128, 64, 32, 16)
   """
   if batch <= 0:
     return ()

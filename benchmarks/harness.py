@@ -193,13 +193,19 @@ def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0) -> list[di
   for n in names:
     err = max_error(outs[n], outs["masked_scan"])
     computed = rows_computed(n, counts, steps, case.max_iters, block_rows)
+    if case.grad is not None and n != "masked_scan":
+      # grad="full" (vjp_full) recomputes the forward and runs the reverse
+      # loop on the whole batch to the largest count: 2 B max(n) row-steps.
+      computed += 2 * case.batch * int(steps.max(initial=0))
+    elif case.grad is not None:  # autodiff of the scan: reverse over every step
+      computed *= 2
     seconds = statistics.median(times[n])
     results.append(dict(
         case=case.label, block=case.block, batch=case.batch, d=case.d,
         max_iters=case.max_iters, counts=case.counts, dtype=case.dtype, tol=case.tol,
         grad=case.grad, impl=n, seconds=seconds, min_seconds=min(times[n]),
         max_error=err, ok=bool(err <= tol), ideal_speedup=ideal,
-        work_efficiency=useful / max(computed, 1), useful_gflop=flops / 1e9,
+        work_efficiency=useful * (2 if case.grad else 1) / max(computed, 1), useful_gflop=flops / 1e9,
         block_rows=block_rows if n == "pallas" else None))
   base = {r["impl"]: r["seconds"] for r in results}
   for r in results:

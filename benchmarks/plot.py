@@ -48,8 +48,11 @@ def speedup_plot(results: list[dict], path: str, title: str) -> None:
   ax.set_yscale("log")
   ax.set_ylabel("speedup over masked scan")
   ax.set_xticks(range(len(case_names)))
-  ax.set_xticklabels([c.replace(" ", "\n", 1).replace(" T=", "\nT=") for c in case_names],
-                     fontsize=7)
+  def short(c):
+    r = next(r for r in results if r["case"] == c)
+    extra = (" tol" if r["tol"] is not None else "") + (" +bwd" if r["grad"] else "")
+    return f"{r['block']}\nB={r['batch']} D={r['d']}\n{r['counts']}{extra}"
+  ax.set_xticklabels([short(c) for c in case_names], fontsize=7)
   ax.set_title(title, fontsize=9)
   ax.legend(fontsize=8)
   fig.tight_layout()

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 
@@ -49,6 +50,41 @@ def lstm(params, state, x):
   return h_new.astype(h.dtype), c_new.astype(c.dtype)
 
 
+def gru(params, h, x):
+  """A GRU cell. FLOPs per row-step: 12 D^2."""
+  (wz, wr, wh), (uz, ur, uh) = params
+  hf = h.astype(jnp.float32)
+  z = jax.nn.sigmoid(_mm(h, wz) + _mm(x, uz))
+  r = jax.nn.sigmoid(_mm(h, wr) + _mm(x, ur))
+  cand = jnp.tanh(_mm((r * hf).astype(h.dtype), wh) + _mm(x, uh))
+  return ((1.0 - z) * hf + z * cand).astype(h.dtype)
+
+
+def transformer(params, h, x):
+  """A pre-norm transformer block over a short sequence per row.
+
+  h, x: [B, L, D] (L tokens per row; attention only within a row). One
+  attention head, MLP hidden 4 D. FLOPs per row-step: L (24 D^2) + 4 L^2 D.
+  Uses layer norm and softmax over non-row axes: run on the XLA path.
+  """
+  wq, wk, wv, wo, w1, w2 = params
+  f32 = h.astype(jnp.float32) + x.astype(jnp.float32)
+
+  def norm(a):
+    mu = jnp.mean(a, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(a - mu), axis=-1, keepdims=True)
+    return ((a - mu) * lax.rsqrt(var + 1e-5)).astype(h.dtype)
+
+  mm = lambda a, w: jnp.einsum("bld,de->ble", a, w, preferred_element_type=jnp.float32)
+  a = norm(f32)
+  q, k, v = mm(a, wq), mm(a, wk), mm(a, wv)
+  scores = jnp.einsum("bld,bmd->blm", q, k) * (1.0 / q.shape[-1] ** 0.5)
+  attn = jnp.einsum("blm,bmd->bld", jax.nn.softmax(scores, axis=-1), v)
+  f32 = f32 + mm(attn.astype(h.dtype), wo)
+  hidden = jnp.maximum(mm(norm(f32), w1), 0.0).astype(h.dtype)
+  return (f32 + mm(hidden, w2) - x.astype(jnp.float32)).astype(h.dtype)
+
+
 def deq(params, h, x):
   """A deep-equilibrium layer h <- tanh(h W + x U) (W a contraction). 4 D^2."""
   w, u = params
@@ -69,7 +105,12 @@ BLOCKS = {
     "residual_mlp": Block("residual_mlp", residual_mlp, lambda d: 16 * d * d),
     "lstm": Block("lstm", lstm, lambda d: 16 * d * d),
     "deq": Block("deq", deq, lambda d: 4 * d * d),
+    "gru": Block("gru", gru, lambda d: 12 * d * d),
+    "transformer": Block("transformer", transformer,
+                         lambda d: SEQ_LEN * 24 * d * d + 4 * SEQ_LEN * SEQ_LEN * d),
 }
+
+SEQ_LEN = 8  # tokens per row of the transformer block
 
 
 def make(name: str, batch: int, d: int, dtype=jnp.float32, key=None):
@@ -92,6 +133,16 @@ def make(name: str, batch: int, d: int, dtype=jnp.float32, key=None):
     params = (normal(keys[2], (d, d)), normal(keys[3], (d, d)) / 0.9)
     x = (x.astype(jnp.float32) * jnp.linspace(0.1, 3.0, batch)[:, None]).astype(dtype)
     h0 = jnp.zeros((batch, d), dtype)
+  elif name == "gru":
+    params = (tuple(normal(keys[2 + i], (d, d)) for i in range(3)),
+              tuple(normal(keys[5 + i], (d, d)) for i in range(3)))
+  elif name == "transformer":
+    x = (0.1 * jax.random.normal(keys[0], (batch, SEQ_LEN, d), jnp.float32)).astype(dtype)
+    h0 = (0.5 * jax.random.normal(keys[1], (batch, SEQ_LEN, d), jnp.float32)).astype(dtype)
+    # Small residual branches: many steps stay O(1).
+    params = tuple(normal(keys[2 + i], (d, d)) for i in range(3)) + (
+        (0.1 * normal(keys[5], (d, d))).astype(dtype),
+        normal(keys[6], (d, 4 * d)), (0.1 * normal(keys[7], (4 * d, d))).astype(dtype))
   elif name == "lstm":
     params = (tuple(normal(keys[2 + i], (d, d)) for i in range(4)),
               tuple(normal(keys[6 + i], (d, d)) for i in range(4)))

@@ -1,4 +1,4 @@
-"""The one script for an H200 (or any GPU/TPU): compile, check, time. < 8 min.
+"""The one script for an H200 (or any GPU/TPU): compile, check, time the suite.
 
     python -m benchmarks.gpu_check --out results.json     # on the accelerator
     python -m benchmarks.gpu_check --smoke                # tiny, any machine
@@ -7,8 +7,11 @@
    accelerator and checks it against `reference.iterate` on fresh random
    inputs, with padded rows poisoned with NaN so a leak shows.
 2. Times pallas vs the masked scan vs vmap(lax.while_loop) vs the XLA
-   implementation in float32 and bfloat16 at B=4096, D in {128, 256}, and
-   prints the table (ratios within this run, medians) and writes JSON.
+   implementation on `cases.gpu_suite()`: B=4096, D in {128, 256}, bfloat16,
+   tanh RNN / GRU / residual MLP over every count distribution (forward, and
+   forward+backward on the recurrent-depth counts), a transformer block (XLA
+   path); prints the table (ratios within this run, medians, work
+   efficiency, useful GFLOP/s) and writes JSON (and a PNG with --plot).
 Exits non-zero on any mismatch.
 """
 
@@ -25,21 +28,10 @@ import jax.numpy as jnp
 import pallas_loop
 import reference
 from benchmarks import blocks
+from benchmarks import cases
 from benchmarks import harness
+from benchmarks import plot
 from pallas_loop import rows
-
-
-def full_cases(batch: int = 4096):
-  for dtype in ("float32", "bfloat16"):
-    for d in (128, 256):
-      for block in ("tanh_rnn", "residual_mlp"):
-        for counts in ("uniform", "bimodal", "constant"):
-          yield harness.Case(block, batch, d, 32, counts, dtype)
-
-
-def smoke_cases():
-  yield harness.Case("tanh_rnn", 64, 16, 8, "uniform", "float32")
-  yield harness.Case("residual_mlp", 64, 16, 8, "bimodal", "bfloat16")
 
 
 def check_gradients(case: harness.Case) -> float:
@@ -64,18 +56,19 @@ def main(argv=None) -> int:
   parser.add_argument("--smoke", action="store_true", help="tiny cases, runs anywhere")
   parser.add_argument("--out", default=None, help="JSON output path")
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--plot", default=None, help="PNG of speedup vs ideal (matplotlib)")
   args = parser.parse_args(argv)
 
   start = time.time()
   device = jax.devices()[0]
   print(f"gpu_check: JAX {jax.__version__}, {device.device_kind} ({jax.default_backend()})")
-  cases = list(smoke_cases() if args.smoke else full_cases())
+  suite = list(cases.smoke_suite() if args.smoke else cases.gpu_suite())
   results, grad_errors, bad = [], {}, []
-  for case in cases:
+  for case in suite:
     with rows.poisoned_padding():
-      results += harness.run_case(case, list(harness.IMPLEMENTATIONS),
-                                  1 if args.smoke else args.repeats, seed=len(results))
-  for case in cases[:2]:
+      results += harness.run_case(case, None, 1 if args.smoke else args.repeats,
+                                  seed=len(results))
+  for case in [c for c in suite if c.grad is None and c.impls is None][:2]:
     err = check_gradients(case)
     grad_errors[case.label] = err
     tol = harness.tolerance(case.dtype, case.max_iters) * 100
@@ -84,6 +77,8 @@ def main(argv=None) -> int:
       bad.append(f"gradient {case.label}")
   harness.print_table(results)
   bad += [f"{r['impl']} {r['case']}" for r in results if not r["ok"]]
+  if args.plot and plot.have_matplotlib():
+    plot.speedup_plot(results, args.plot, f"{device.device_kind}, JAX {jax.__version__}")
   payload = dict(jax=jax.__version__, device=device.device_kind,
                  backend=jax.default_backend(), seconds=time.time() - start,
                  results=results, gradient_max_errors=grad_errors)

@@ -11,13 +11,18 @@ same inputs, so the printed figures are ratios within one run:
   pallas        pallas_loop.iterate(implementation="pallas") (interpret mode on
                 CPU: a correctness vehicle there, not a speed claim)
 
+Per case: median time, speedup vs the masked scan and vs vmap(while_loop),
+the ideal speedup, the fraction of it achieved, and the work efficiency
+(useful row-steps / row-steps computed, `rows_computed`). Forward+backward
+cases (`Case.grad`) time jax.grad of the sum of the output; vmap(while_loop)
+has no reverse-mode gradient and is left out there.
+
 The ideal speedup over the masked scan is B*max_iters/sum(n_i): what an
 implementation where finished rows cost nothing would reach.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from typing import Callable
@@ -30,6 +35,11 @@ import numpy as np
 import pallas_loop
 import reference
 from benchmarks import blocks
+from benchmarks import cases
+from pallas_loop import backend as backend_lib
+from pallas_loop import buckets
+from pallas_loop import pallas_mosaic_tpu
+from pallas_loop import pallas_triton
 
 
 def vmap_while(step, params, h0, x, *, iters, max_iters, tol=None):
@@ -65,36 +75,8 @@ IMPLEMENTATIONS: dict[str, Callable] = {
 }
 
 
-def count_distribution(name: str, batch: int, max_iters: int, seed: int = 0) -> np.ndarray:
-  """int32 [batch] counts: 'constant', 'uniform' in [1, max], 'bimodal'."""
-  rng = np.random.default_rng(seed)
-  if name == "constant":
-    return np.full(batch, max_iters, np.int32)
-  if name == "uniform":
-    return rng.integers(1, max_iters + 1, batch).astype(np.int32)
-  if name == "bimodal":  # 80% short, 20% at the budget
-    short = rng.integers(1, max(2, max_iters // 8) + 1, batch)
-    return np.where(rng.random(batch) < 0.8, short, max_iters).astype(np.int32)
-  raise ValueError(f"unknown count distribution {name!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  """A workload. With `tol`, rows also halt on convergence (counts = budgets)."""
-
-  block: str
-  batch: int
-  d: int
-  max_iters: int
-  counts: str
-  dtype: str = "float32"
-  tol: float | None = None
-
-  @property
-  def label(self) -> str:
-    halting = f" tol={self.tol:g}" if self.tol is not None else ""
-    return (f"{self.block} B={self.batch} D={self.d} T={self.max_iters} "
-            f"{self.counts}{halting} {self.dtype}")
+Case = cases.Case
+count_distribution = cases.count_distribution
 
 
 def median_seconds(fn, *args, repeats: int = 5) -> float:
@@ -118,50 +100,141 @@ def tolerance(dtype: str, max_iters: int) -> float:
   return (1e-5 if dtype == "float32" else 2.0 ** -6) * max(1, max_iters) ** 0.5 * 4
 
 
-def run_case(case: Case, impls, repeats: int, seed: int = 0) -> list[dict]:
-  """Times and checks every implementation on one case; one dict per impl."""
+def pallas_block_rows(batch: int) -> int:
+  """The kernel's default rows per tile on this machine's backend."""
+  platform = jax.default_backend()
+  if platform == "gpu":
+    return pallas_triton.TRITON.default_block_rows(batch)
+  if platform == "tpu":
+    return pallas_mosaic_tpu.MOSAIC_TPU.default_block_rows(batch)
+  return backend_lib.INTERPRET.default_block_rows(batch)
+
+
+def rows_computed(impl: str, counts: np.ndarray, steps: np.ndarray, max_iters: int,
+                  block_rows: int) -> int:
+  """Row-steps an implementation computes (the denominator of work efficiency).
+
+  masked_scan: every row, every one of max_iters steps. vmap_while: every row
+  until the slowest is done (a batched while_loop). xla: the bucketed stages
+  (`buckets.rows_computed`). pallas: each tile of `block_rows` rows, after
+  ordering by descending count, runs until its slowest row is done.
+  """
+  batch = counts.size
+  if impl == "masked_scan":
+    return batch * max_iters
+  if impl == "vmap_while":
+    return batch * int(steps.max(initial=0))
+  if impl == "xla":
+    return buckets.rows_computed(steps)
+  if impl == "pallas":
+    order = np.argsort(-counts, kind="stable")
+    s = steps[order]
+    pad = -batch % block_rows
+    s = np.concatenate([s, np.zeros(pad, s.dtype)]).reshape(-1, block_rows)
+    return int(block_rows * s.max(axis=1).sum())
+  raise ValueError(impl)
+
+
+def _applicable(case: Case) -> list[str]:
+  names = list(case.impls or IMPLEMENTATIONS)
+  if case.grad is not None:  # vmap(while_loop) has no reverse-mode gradient
+    names = [n for n in names if n != "vmap_while"]
+  return names
+
+
+def _make_fn(case: Case, name: str, step, halting):
+  impl = IMPLEMENTATIONS[name]
+  extra = {}
+  if case.grad is not None and name in ("xla", "pallas"):
+    extra["grad"] = case.grad
+  run = lambda p, h, x_, k: impl(step, p, h, x_, iters=k, max_iters=case.max_iters,
+                                 **halting, **extra)
+  if case.grad is None:
+    return jax.jit(run)
+  loss = lambda p, h, x_, k: sum(jnp.sum(a.astype(jnp.float32))
+                                 for a in jax.tree.leaves(run(p, h, x_, k)))
+  return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0) -> list[dict]:
+  """Times and checks the implementations on one case; one dict per impl.
+
+  The implementations are timed round-robin (one call of each per round,
+  `repeats` rounds) so a burst of load on a shared machine hits them alike;
+  times are medians. Every output (the gradients, for a fwd+bwd case) is
+  checked against the masked scan's.
+  """
+  names = [n for n in _applicable(case) if impls is None or n in impls]
+  names = ["masked_scan"] + [n for n in names if n != "masked_scan"]
   step, params, h0, x = blocks.make(case.block, case.batch, case.d, jnp.dtype(case.dtype),
                                     jax.random.key(seed))
-  n = count_distribution(case.counts, case.batch, case.max_iters, seed)
-  iters = jnp.asarray(n)
+  counts = count_distribution(case.counts, case.batch, case.max_iters, seed)
+  iters = jnp.asarray(counts)
   halting = {} if case.tol is None else dict(tol=case.tol)
-  if case.tol is not None:  # the useful work is the steps rows take to converge
-    n = np.asarray(reference.iterate(step, params, h0, x, iters=iters, max_iters=case.max_iters,
-                                     return_info=True, **halting)[1].steps)
-  useful = int(n.sum())
+  steps = np.asarray(reference.iterate(step, params, h0, x, iters=iters,
+                                       max_iters=case.max_iters, return_info=True,
+                                       **halting)[1].steps)
+  useful = int(steps.sum())  # with halting: the steps rows took to converge
   ideal = case.batch * case.max_iters / max(useful, 1)
   flops = useful * blocks.BLOCKS[case.block].flops_per_row_step(case.d)
-  want = None
+  if case.grad is not None:
+    flops *= 3  # backward ~ 2x forward, plus the forward
+  block_rows = pallas_block_rows(case.batch)
+  fns = {n: _make_fn(case, n, step, halting) for n in names}
+  outs = {n: jax.block_until_ready(fn(params, h0, x, iters)) for n, fn in fns.items()}
+  times = {n: [] for n in names}
+  for _ in range(max(1, repeats)):
+    for n, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(params, h0, x, iters))
+      times[n].append(time.perf_counter() - start)
+  tol = tolerance(case.dtype, case.max_iters) * (100 if case.grad else 1)
   results = []
-  for name in impls:
-    fn = jax.jit(lambda p, h, x_, k, impl=IMPLEMENTATIONS[name]: impl(
-        step, p, h, x_, iters=k, max_iters=case.max_iters, **halting))
-    out = fn(params, h0, x, iters)
-    if want is None:
-      assert name == "masked_scan", "the reference runs first"
-      want = out
-    err = max_error(out, want)
-    seconds = median_seconds(fn, params, h0, x, iters, repeats=repeats)
-    results.append(dict(case=case.label, impl=name, seconds=seconds, max_error=err,
-                        ok=bool(err <= tolerance(case.dtype, case.max_iters)),
-                        ideal_speedup=ideal, useful_gflop=flops / 1e9))
+  for n in names:
+    err = max_error(outs[n], outs["masked_scan"])
+    computed = rows_computed(n, counts, steps, case.max_iters, block_rows)
+    if case.grad is not None and n != "masked_scan":
+      # grad="full" (vjp_full) recomputes the forward and runs the reverse
+      # loop on the whole batch to the largest count: 2 B max(n) row-steps.
+      computed += 2 * case.batch * int(steps.max(initial=0))
+    elif case.grad is not None:  # autodiff of the scan: reverse over every step
+      computed *= 2
+    seconds = statistics.median(times[n])
+    results.append(dict(
+        case=case.label, block=case.block, batch=case.batch, d=case.d,
+        max_iters=case.max_iters, counts=case.counts, dtype=case.dtype, tol=case.tol,
+        grad=case.grad, impl=n, seconds=seconds, min_seconds=min(times[n]),
+        max_error=err, ok=bool(err <= tol), ideal_speedup=ideal,
+        work_efficiency=useful * (2 if case.grad else 1) / max(computed, 1), useful_gflop=flops / 1e9,
+        block_rows=block_rows if n == "pallas" else None))
   base = {r["impl"]: r["seconds"] for r in results}
   for r in results:
     r["speedup_vs_masked_scan"] = base["masked_scan"] / r["seconds"]
-    if "vmap_while" in base:
-      r["speedup_vs_vmap_while"] = base["vmap_while"] / r["seconds"]
+    r["speedup_vs_vmap_while"] = (base["vmap_while"] / r["seconds"]
+                                  if "vmap_while" in base else None)
     r["fraction_of_ideal"] = r["speedup_vs_masked_scan"] / ideal
     r["gflops"] = r["useful_gflop"] / r["seconds"]
   return results
 
 
 def print_table(results: list[dict]) -> None:
-  header = (f"{'case':48s} {'impl':12s} {'median ms':>10s} {'vs scan':>8s} "
-            f"{'vs vmapW':>8s} {'ideal':>6s} {'of ideal':>8s} {'GFLOP/s':>8s} {'max err':>9s}")
+  """Prints one row per (case, implementation)."""
+  interpret = jax.default_backend() == "cpu"
+  pallas = "pallas (interpret)" if interpret else "pallas"
+  if interpret:
+    print("note: CPU run: 'pallas' is the kernel in Pallas INTERPRET mode "
+          "(a correctness vehicle, not the compiled kernel's speed).")
+  header = (f"{'case':56s} {'impl':18s} {'median ms':>10s} {'vs scan':>8s} "
+            f"{'vs vmapW':>8s} {'ideal':>6s} {'of ideal':>8s} {'work eff':>8s} "
+            f"{'GFLOP/s':>8s} {'max err':>9s}")
   print(header)
   print("-" * len(header))
   for r in results:
-    print(f"{r['case']:48s} {r['impl']:12s} {r['seconds'] * 1e3:10.3f} "
-          f"{r['speedup_vs_masked_scan']:7.2f}x {r.get('speedup_vs_vmap_while', float('nan')):7.2f}x "
-          f"{r['ideal_speedup']:5.2f}x {r['fraction_of_ideal']:8.2f} {r['gflops']:8.2f} "
+    vs_vmap = r.get("speedup_vs_vmap_while")
+    vs_vmap = f"{vs_vmap:7.2f}x" if vs_vmap is not None else f"{'n/a':>8s}"
+    name = pallas if r["impl"] == "pallas" else r["impl"]
+    print(f"{r['case']:56s} {name:18s} {r['seconds'] * 1e3:10.3f} "
+          f"{r['speedup_vs_masked_scan']:7.2f}x {vs_vmap} "
+          f"{r['ideal_speedup']:5.2f}x {r['fraction_of_ideal']:8.2f} "
+          f"{r['work_efficiency']:8.3f} {r['gflops']:8.2f} "
           f"{r['max_error']:9.2e}{'' if r['ok'] else '  MISMATCH'}")

@@ -81,6 +81,42 @@ def _as_column(flag: jax.Array, rows: int) -> jax.Array:
   return flag.astype(jnp.int32).reshape(rows, 1) > 0
 
 
+def apply_update(s, running, t, h_new, flag, halting: Halting | None,
+                 elems_per_row: int):
+  """One step's effect on the per-row state (shared by every loop).
+
+  Args:
+    s: the state before the step: any NamedTuple with fields h, residual,
+      steps, halted (h leaves [R, ...], the rest [R, 1]).
+    running: bool [R, 1]: rows that apply this step.
+    t: int32 scalar: the trip (a running row has applied t steps).
+    h_new: the body's result; flag: None or the user's criterion, bool
+      [R]/[R, 1].
+    halting: None or the halting operands.
+    elems_per_row: state elements per row, for the rms.
+
+  Returns:
+    `s` with the step applied to the running rows: new state, residual (rms
+    of the update), steps + 1, and halted set where a criterion is met once
+    at least `min_iters` steps have been applied.
+  """
+  rms = update_rms(h_new, s.h, elems_per_row)
+  halted = s.halted
+  if halting is not None:
+    met = jnp.zeros_like(running)
+    if halting.tol is not None:
+      met = met | (rms <= halting.tol)  # NaN never converges
+    if flag is not None:
+      met = met | _as_column(flag, running.shape[0])
+    stop = running & met & (t + 1 >= halting.min_iters)
+    halted = jnp.where(stop, 1, halted)
+  return s._replace(
+      h=select_rows(running, h_new, s.h),
+      residual=jnp.where(running, rms, s.residual),
+      steps=s.steps + running.astype(jnp.int32),
+      halted=halted)
+
+
 def run_loop(body, params, h, x, counts, rows, halting: Halting | None,
              elems_per_row: int) -> LoopState:
   """Runs `body` on the rows until none is running.
@@ -98,28 +134,13 @@ def run_loop(body, params, h, x, counts, rows, halting: Halting | None,
   Returns:
     The final `LoopState`.
   """
-  n_rows = counts.shape[0]
 
   def step(carry):
     t, _, s = carry
     running = (t < counts) & (s.halted == 0)
     h_new, flag = body(params, s.h, x, jnp.broadcast_to(t, counts.shape), rows)
-    rms = update_rms(h_new, s.h, elems_per_row)
-    halted = s.halted
-    if halting is not None:
-      met = jnp.zeros_like(running)
-      if halting.tol is not None:
-        met = met | (rms <= halting.tol)  # NaN never converges
-      if flag is not None:
-        met = met | _as_column(flag, n_rows)
-      stop = running & met & (t + 1 >= halting.min_iters)
-      halted = jnp.where(stop, 1, halted)
-    new = LoopState(
-        h=select_rows(running, h_new, s.h),
-        residual=jnp.where(running, rms, s.residual),
-        steps=s.steps + running.astype(jnp.int32),
-        halted=halted)
-    live = jnp.max(((t + 1 < counts) & (halted == 0)).astype(jnp.int32))
+    new = apply_update(s, running, t, h_new, flag, halting, elems_per_row)
+    live = jnp.max(((t + 1 < counts) & (new.halted == 0)).astype(jnp.int32))
     return t + 1, live, new
 
   init = LoopState(h, jnp.zeros(counts.shape, jnp.float32),

@@ -1,14 +1,16 @@
-"""The XLA implementation: one `lax.while_loop` over the whole batch.
+"""The XLA implementation: `lax.while_loop`s that skip finished rows.
 
-Finished rows are frozen by masking (`masking.run_loop`, the same logic as
-the kernel), and the loop stops when no row is running any more, so the batch
-pays for its slowest row rather than `max_iters`. This is the default on CPU
-and the fallback elsewhere.
+Rows are ordered so that the running ones form a prefix, and each step runs
+the body only on that prefix, padded to one of a few static bucket sizes
+(`buckets.py`), so the work tracks sum(n_i), not B * max(n_i). With halting,
+running rows are compacted to the front at each bucket change. Per row the
+semantics are those of `masking.run_loop` (shared with the kernel). This is
+the default on CPU and the fallback elsewhere.
 """
 
 from __future__ import annotations
 
-from pallas_loop import masking
+from pallas_loop import buckets
 
 
 def forward(body, params, h0, x, counts, row_ids, halting):
@@ -24,6 +26,4 @@ def forward(body, params, h0, x, counts, row_ids, halting):
   Returns:
     (h, residual, steps, halted): final state; float32, int32, bool [B].
   """
-  s = masking.run_loop(body, params, h0, x, counts[:, None], row_ids[:, None], halting,
-                       masking.elems_per_row(h0))
-  return s.h, s.residual[:, 0], s.steps[:, 0], s.halted[:, 0] > 0
+  return buckets.forward(body, params, h0, x, counts, row_ids, halting)

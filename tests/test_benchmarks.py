@@ -2,20 +2,89 @@
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 
 import pallas_loop
+from benchmarks import cases
 from benchmarks import gpu_check
 from benchmarks import harness
 from benchmarks import run
 
 
 def test_every_implementation_agrees_on_a_tiny_case():
-  results = harness.run_case(harness.Case("tanh_rnn", 24, 16, 5, "bimodal"),
-                             list(harness.IMPLEMENTATIONS), repeats=1)
+  results = harness.run_case(cases.Case("tanh_rnn", 24, 16, 5, "bimodal"), None, repeats=1)
   assert [r["impl"] for r in results] == list(harness.IMPLEMENTATIONS)
   assert all(r["ok"] for r in results), results
   assert results[0]["ideal_speedup"] > 1
+  for r in results:
+    assert 0 < r["work_efficiency"] <= 1
+  by_impl = {r["impl"]: r for r in results}
+  # Skipping finished rows computes less than the masked scan.
+  assert by_impl["xla"]["work_efficiency"] > by_impl["masked_scan"]["work_efficiency"]
+
+
+def test_forward_backward_case_leaves_out_vmap_while():
+  results = harness.run_case(cases.Case("gru", 20, 16, 4, "uniform", grad="full"), None,
+                             repeats=1)
+  assert [r["impl"] for r in results] == ["masked_scan", "xla", "pallas"]
+  assert all(r["ok"] for r in results), results
+  assert all(r["speedup_vs_vmap_while"] is None for r in results)
+
+
+@pytest.mark.parametrize("name", cases.DISTRIBUTIONS)
+def test_count_distributions(name):
+  t = cases.DEFAULT_MAX_ITERS[name]
+  n = cases.count_distribution(name, 4096, t, seed=1)
+  assert n.dtype == np.int32 and n.shape == (4096,)
+  assert n.min() >= 1 and n.max() <= t
+  np.testing.assert_array_equal(n, cases.count_distribution(name, 4096, t, seed=1))
+  if name == "recurrent_depth":
+    assert 28 <= n.mean() <= 36 and t == 128
+  if name == "geometric":
+    assert 4 <= n.mean() <= 6 and t == 20
+  if name == "adversarial":  # exactly one slow row per tile
+    tiles = n.reshape(-1, cases.ADVERSARIAL_TILE)
+    np.testing.assert_array_equal((tiles == t).sum(axis=1), 1)
+
+
+def test_pallas_work_efficiency_counts_sorted_tiles():
+  counts = np.array([1, 8, 1, 1, 8, 1, 1, 1], np.int32)
+  # Sorted: tiles of 4 rows hold [8, 8, 1, 1] and [1, 1, 1, 1].
+  assert harness.rows_computed("pallas", counts, counts, 8, 4) == 4 * 8 + 4 * 1
+  assert harness.rows_computed("masked_scan", counts, counts, 10, 4) == 80
+  assert harness.rows_computed("vmap_while", counts, counts, 10, 4) == 64
+
+
+def test_suites_are_well_formed():
+  for name, suite in cases.SUITES.items():
+    cs = suite()
+    assert cs and len({c.label for c in cs}) == len(cs), name
+  full = cases.full_suite()
+  assert {c.counts for c in full} == set(cases.DISTRIBUTIONS)
+  assert {"tanh_rnn", "gru", "residual_mlp", "transformer"} <= {c.block for c in full}
+  assert any(c.d & (c.d - 1) for c in full)  # a non-power-of-2 width
+  assert any(c.grad for c in full)
+  gpu = cases.gpu_suite()
+  assert {c.batch for c in gpu if c.block != "transformer"} == {4096}
+  assert {c.d for c in gpu} == {128, 256} and {c.dtype for c in gpu} == {"bfloat16"}
+
+
+def test_run_smoke_suite_with_json(tmp_path):
+  out = tmp_path / "r.json"
+  assert run.main(["--suite", "smoke", "--repeats", "1", "--json", str(out)]) == 0
+  results = json.loads(out.read_text())["results"]
+  assert {r["case"] for r in results} == {c.label for c in cases.smoke_suite()}
+
+
+def test_plot_when_matplotlib_is_installed(tmp_path):
+  pytest.importorskip("matplotlib")
+  from benchmarks import plot  # pylint: disable=g-import-not-at-top
+  results = harness.run_case(cases.Case("tanh_rnn", 16, 16, 4, "uniform"), None, repeats=1)
+  plot.speedup_plot(results, str(tmp_path / "p.png"), "test")
+  assert (tmp_path / "p.png").stat().st_size > 1000
 
 
 @pytest.mark.slow
@@ -26,7 +95,8 @@ def test_main_job_exits_zero(capsys):
 
 def test_gpu_check_smoke_mode_runs_anywhere(tmp_path):
   assert gpu_check.main(["--smoke", "--out", str(tmp_path / "r.json")]) == 0
-  assert (tmp_path / "r.json").read_text().count('"impl"') == 8
+  rows = sum(len(harness._applicable(c)) for c in cases.smoke_suite())  # pylint: disable=protected-access
+  assert (tmp_path / "r.json").read_text().count('"impl"') == rows
 
 
 def test_gradient_mode_benchmark_agrees_on_a_tiny_case():

@@ -1,0 +1,60 @@
+"""A PNG of speedup vs ideal per distribution (needs matplotlib: extra `bench`)."""
+
+from __future__ import annotations
+
+
+def have_matplotlib() -> bool:
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  return importlib.util.find_spec("matplotlib") is not None
+
+
+def speedup_plot(results: list[dict], path: str, title: str) -> None:
+  """Writes a bar chart: per case (grouped by count distribution), the speedup
+  of each implementation over the masked scan, with the ideal B*T/sum(n_i) as
+  a black tick.
+
+  Args:
+    results: rows from `harness.run_case`.
+    path: the PNG to write.
+    title: the figure's title (say the device and whether pallas is interpreted).
+
+  Example:
+    >>> speedup_plot(results, "benchmarks/speedup_cpu.png", "CPU, 2 cores")
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  order = {"constant": 0, "uniform": 1, "recurrent_depth": 2, "geometric": 3,
+           "bimodal": 4, "adversarial": 5}
+  case_names = sorted({r["case"] for r in results},
+                      key=lambda c: (order.get(next(r["counts"] for r in results
+                                                    if r["case"] == c), 9), c))
+  impls = [i for i in ("vmap_while", "xla", "pallas") if any(r["impl"] == i for r in results)]
+  width = 0.8 / max(1, len(impls))
+  fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(case_names)), 4.5))
+  for j, impl in enumerate(impls):
+    xs, ys = [], []
+    for i, c in enumerate(case_names):
+      row = next((r for r in results if r["case"] == c and r["impl"] == impl), None)
+      if row is not None:
+        xs.append(i + (j - (len(impls) - 1) / 2) * width)
+        ys.append(row["speedup_vs_masked_scan"])
+    ax.bar(xs, ys, width, label=impl)
+  ideal = [next(r["ideal_speedup"] for r in results if r["case"] == c) for c in case_names]
+  ax.scatter(range(len(case_names)), ideal, marker="_", s=900, color="black",
+             label="ideal B*T/sum(n)", zorder=3)
+  ax.axhline(1.0, color="gray", lw=0.8)
+  ax.set_yscale("log")
+  ax.set_ylabel("speedup over masked scan")
+  ax.set_xticks(range(len(case_names)))
+  def short(c):
+    r = next(r for r in results if r["case"] == c)
+    extra = (" tol" if r["tol"] is not None else "") + (" +bwd" if r["grad"] else "")
+    return f"{r['block']}\nB={r['batch']} D={r['d']}\n{r['counts']}{extra}"
+  ax.set_xticklabels([short(c) for c in case_names], fontsize=7)
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,240 @@
+"""The XLA implementation's row skipping: run the step only on the running rows.
+
+Legend (shapes in comments):
+  B: rows of the batch    S: rows of the current bucket (a static size <= B)
+  ...: a leaf's trailing (per-row) dimensions
+
+A masked loop over the whole batch costs B rows per step however few rows are
+still running. Here the rows are kept ordered so that the running ones form a
+prefix, and each step runs the body on that prefix only, padded up to one of
+a few static sizes (the *ladder*, `bucket_sizes`), so the rows computed track
+sum(n_i) instead of B * max(n_i).
+
+* Rows are first ordered by descending count. Without halting, row r runs at
+  trip t iff t < count[r], so the running rows are always a prefix, and its
+  length only shrinks.
+* The loop is a sequence of *stages*, one per ladder size S (largest first):
+  stage S is a `lax.while_loop` over the first S rows that runs while more
+  than the next ladder size rows are running. Because the running prefix only
+  shrinks, the stages run in order, each at a static shape, with no per-step
+  branch (this is equivalent to selecting the bucket per step with
+  `lax.switch`, without the branch and the carry copies around it).
+* With halting (tol/halt), a row may stop anywhere in the prefix. At each
+  stage change the stage's rows are *compacted*: stably reordered so that the
+  running rows come first, after which the next, smaller stage again holds
+  every running row. A halted row just rides along (masked) until then.
+* Every row carries its position in the input (`order`), so the caller's
+  order is restored at the end, and its index in the caller's batch (`rows`),
+  which the body gets with the step index (random keys depend on both).
+
+Per row, the applied steps, the halting rule, the residual and the masking
+are those of `masking.run_loop` (the reference semantics), evaluated on the
+bucket's rows; rows in a bucket that are not running are computed and
+discarded, never read by another row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+from jax import tree_util
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_loop import masking
+from pallas_loop import rows as rows_lib
+
+# The ladder: linear steps of ~B/LINEAR_STEPS rows (bounded waste per step;
+# 8 balances that waste against the fixed cost of each stage on CPU),
+# then halving below the first step (bounded relative waste on the tail), no
+# bucket under MIN_ROWS rows (per-step overhead dominates there anyway, and
+# each stage is one more loop to compile).
+LINEAR_STEPS = 8
+MIN_ROWS = 16
+ALIGN = 8
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def bucket_sizes(batch: int) -> tuple[int, ...]:
+  """The static row counts the step runs at, largest (= batch) first.
+
+  Multiples of a granularity g = B/8 (rounded up to a multiple of 8 rows,
+  at least 16), then g/2, g/4, ... down to 16 rows. So a step on `a`
+  running rows computes at most g extra rows when a >= g, fewer than `a`
+  extra below that, and at most 16 rows when a <= 16.
+
+  Args:
+    batch: B, the number of rows (>= 0).
+
+  Returns:
+    Strictly decreasing sizes, the first equal to `batch` (empty if B = 0).
+
+  Example:
+    >>> bucket_sizes(1024)
+    (1024, 896, 768, 640, 512, 384, 256, 128, 64, 32, 16)
+  """
+  if batch <= 0:
+    return ()
+  g = max(MIN_ROWS, _round_up(-(-batch // LINEAR_STEPS), ALIGN))
+  sizes = {min(batch, k * g) for k in range(1, -(-batch // g) + 1)}
+  small = g // 2
+  while small >= MIN_ROWS and small < batch:
+    sizes.add(small)
+    small //= 2
+  return tuple(sorted(sizes, reverse=True))
+
+
+def bucket_for(active: int, sizes: tuple[int, ...]) -> int:
+  """The ladder size a step with `active` running rows runs at (0 if none)."""
+  if active <= 0:
+    return 0
+  return min(s for s in sizes if s >= active)
+
+
+def rows_computed(steps, sizes: tuple[int, ...] | None = None) -> int:
+  """Row-steps the bucketed loop computes, given each row's applied steps.
+
+  A row runs at trip t iff t < steps[row] (it stops for good once it stops),
+  so a_t = #{steps > t} rows run at trip t, on a bucket of `bucket_for(a_t)`
+  rows. Used by the benchmarks for the work efficiency.
+
+  Args:
+    steps: int [B], the steps each row applied (`IterateInfo.steps`).
+    sizes: the ladder (default `bucket_sizes(B)`).
+
+  Returns:
+    sum over trips t of the bucket size at t.
+  """
+  steps = np.asarray(steps).reshape(-1)
+  sizes = bucket_sizes(steps.size) if sizes is None else sizes
+  if steps.size == 0:
+    return 0
+  # a_t for t = 0 .. max-1: rows with steps > t.
+  hist = np.bincount(steps, minlength=int(steps.max()) + 1)
+  active = steps.size - np.cumsum(hist)[:-1]
+  return int(sum(bucket_for(int(a), sizes) for a in active))
+
+
+class _Rows(NamedTuple):
+  """The per-row loop state, in the loop's row order. h/x leaves [R, ...]."""
+
+  h: Any
+  x: Any
+  counts: jax.Array    # int32 [R, 1]: step budgets
+  order: jax.Array     # int32 [R, 1]: each row's position in the input
+  rows: jax.Array      # int32 [R, 1]: each row's index in the caller's batch
+  residual: jax.Array  # float32 [R, 1]
+  steps: jax.Array     # int32 [R, 1]
+  halted: jax.Array    # int32 [R, 1], 0/1
+
+
+def _prefix(tree, size: int):
+  return tree_util.tree_map(lambda a: a[:size], tree)
+
+
+def _put_prefix(tree, sub):
+  def put(a, b):
+    if a.shape[0] == b.shape[0]:
+      return b
+    return lax.dynamic_update_slice_in_dim(a, b, 0, axis=0)
+  return tree_util.tree_map(put, tree, sub)
+
+
+def _running(s: _Rows, t) -> jax.Array:
+  """bool [R, 1]: rows that apply a step at trip t."""
+  return (t < s.counts) & (s.halted == 0)
+
+
+def _count(flags: jax.Array) -> jax.Array:
+  return jnp.sum(flags.astype(jnp.int32))
+
+
+def _compact(s: _Rows, t) -> _Rows:
+  """Stably moves the rows still running at trip t to the front."""
+  not_running = jnp.logical_not(_running(s, t))[:, 0].astype(jnp.int32)
+  order = jnp.argsort(not_running, stable=True)
+  return rows_lib.take_rows(s, order)
+
+
+def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: int):
+  """Steps the rows of `s` while more than `until` of them are running.
+
+  Returns:
+    (t, s): the trip counter after the stage and the stage's rows.
+  """
+  size = s.counts.shape[0]
+
+  def step(carry):
+    t, _, s = carry
+    running = _running(s, t)
+    # Each row's step index is the trip counter (a running row has applied
+    # t steps); its batch index travels with it (random keys depend on both).
+    h_new, flag = body(params, s.h, s.x, jnp.broadcast_to(t, (size, 1)), s.rows)
+    s = masking.apply_update(s, running, t, h_new, flag, halting, elems_per_row)
+    return t + 1, _count(_running(s, t + 1)), s
+
+  live = _count(_running(s, t))
+  t, _, s = lax.while_loop(lambda c: c[1] > until, step, (t, live, s))
+  if halting is not None and until > 0:
+    # Halted rows may sit anywhere in the stage: bring the running ones (at
+    # most `until` of them) to the front for the next, smaller stage. Without
+    # halting the running rows already are a prefix (rows ordered by
+    # descending count), so no reordering is needed.
+    s = _compact(s, t)
+  return t, s
+
+
+def forward(body, params, h0, x, counts, row_ids, halting):
+  """Runs each row to its budget or halting, computing only running rows.
+
+  Args:
+    body: body(params, h, x, t, rows) -> (h_new, flag), row independent;
+      t, rows int32 [R, 1] (step index, index in the caller's batch); flag is
+      None or bool [R]/[R, 1] (the user's halt criterion on this update).
+    params, h0, x: operands (h0/x leaves [B, ...]).
+    counts: int32 [B], already clipped to [0, max_iters].
+    row_ids: int32 [B], each row's index in the caller's batch.
+    halting: None or `masking.Halting`.
+
+  Returns:
+    (h, residual, steps, halted): final state in the caller's row order;
+    float32, int32, bool [B].
+
+  Example:
+    >>> body = lambda p, h, x, t, rows: (2 * h, None)
+    >>> forward(body, None, jnp.ones((3, 2)), None, jnp.array([1, 0, 2]),
+    ...         jnp.arange(3, dtype=jnp.int32), None)[0]
+    Array([[2., 2.], [1., 1.], [4., 4.]], dtype=float32)
+  """
+  batch = counts.shape[0]
+  sizes = bucket_sizes(batch)
+  elems = masking.elems_per_row(h0)
+  order = rows_lib.descending_order(counts)
+  column = lambda dtype: jnp.zeros((batch, 1), dtype)
+  s = _Rows(h=rows_lib.take_rows(h0, order), x=rows_lib.take_rows(x, order),
+            counts=jnp.take(counts, order)[:, None], order=order[:, None],
+            rows=jnp.take(row_ids, order)[:, None],
+            residual=column(jnp.float32), steps=column(jnp.int32),
+            halted=column(jnp.int32))
+  t = jnp.int32(0)
+  for k, size in enumerate(sizes):
+    until = sizes[k + 1] if k + 1 < len(sizes) else 0
+
+    def stage(t, s, size=size, until=until):
+      t, sub = _run_stage(body, params, _prefix(s, size), t, until, halting, elems)
+      return t, _put_prefix(s, sub)
+
+    # A stage with nothing to do (its rows finished in a larger bucket, or
+    # the counts jump past it) is skipped whole: its slices and the work XLA
+    # hoists out of its loop (e.g. x @ U of an RNN cell) then cost nothing.
+    live = _count(_running(_prefix(s, size), t))
+    t, s = lax.cond(live > until, stage, lambda t, s: (t, s), t, s)
+  inverse = rows_lib.inverse_permutation(s.order[:, 0])
+  h, residual, steps, halted = rows_lib.take_rows(
+      (s.h, s.residual[:, 0], s.steps[:, 0], s.halted[:, 0]), inverse)
+  return h, residual, steps, halted > 0

@@ -118,6 +118,14 @@ def print_table(rows):
         "difference reported, not checked.")
 
 
+def run_all(impls, repeats: int, cases=DEFAULT_CASES):
+  """Every case of `cases` on `impls`; the rows `print_table` prints."""
+  rows = []
+  for case in cases:
+    rows += run_case(case, impls, repeats)
+  return rows
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", help="also write the results to this file")
@@ -129,9 +137,7 @@ def main(argv=None) -> int:
   if jax.default_backend() == "cpu":
     print("note: on CPU the Pallas kernels (forward and fused backward) run in "
           "interpret mode; medians of", args.repeats)
-  rows = []
-  for case in DEFAULT_CASES:
-    rows += run_case(case, args.impls.split(","), args.repeats)
+  rows = run_all(args.impls.split(","), args.repeats)
   print_table(rows)
   if args.json:
     with open(args.json, "w") as f:

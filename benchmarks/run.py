@@ -12,7 +12,9 @@ the masked scan and vs vmap(while_loop), the ideal speedup B*max_iters/sum(n_i),
 the fraction of it achieved and the work efficiency (useful row-steps / row-
 steps computed). The quick suite is the issue's CPU target (B=1024, D=64,
 uniform[1,64] and recurrent-depth-like counts, tanh RNN and residual MLP), a
-halting DEQ layer and a forward+backward case.
+halting DEQ layer and a forward+backward case; then the gradient-mode table of
+`benchmarks/grad_modes.py` (time and compiled memory of jit(grad) per mode vs
+the masked scan's; skip with --no-grad-modes).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 import jax
 
 from benchmarks import cases
+from benchmarks import grad_modes
 from benchmarks import harness
 from benchmarks import plot
 
@@ -35,6 +38,8 @@ def main(argv=None) -> int:
   parser.add_argument("--json", help="also write the results to this file")
   parser.add_argument("--plot", help="write a PNG of speedup vs ideal (needs matplotlib)")
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--no-grad-modes", action="store_true",
+                      help="skip the gradient-mode table (benchmarks/grad_modes.py)")
   parser.add_argument("--impls", default=",".join(harness.IMPLEMENTATIONS),
                       help="comma-separated subset (masked_scan always runs first)")
   args = parser.parse_args(argv)
@@ -52,13 +57,19 @@ def main(argv=None) -> int:
   for case in cases.SUITES[args.suite]():
     results += harness.run_case(case, impls, args.repeats)
   harness.print_table(results)
+  grad_rows = []
+  if not args.no_grad_modes:
+    print("\nForward+backward per gradient mode (jit(grad(loss)), vs the masked scan's):")
+    grad_impls = [i for i in impls if i in ("xla", "pallas")]
+    grad_rows = grad_modes.run_all(grad_impls, args.repeats)
+    grad_modes.print_table(grad_rows)
   seconds = time.time() - start
   print(f"total {seconds:.0f} s")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(jax=jax.__version__, device=device.device_kind,
                      backend=jax.default_backend(), suite=args.suite,
-                     seconds=seconds, results=results), f, indent=1)
+                     seconds=seconds, results=results, grad_modes=grad_rows), f, indent=1)
   if args.plot:
     if plot.have_matplotlib():
       interpret = " (pallas: interpret mode)" if jax.default_backend() == "cpu" else ""
@@ -71,7 +82,11 @@ def main(argv=None) -> int:
   for r in bad:
     print(f"MISMATCH: {r['impl']} on {r['case']}: max error {r['max_error']:.3e}",
           file=sys.stderr)
-  return 1 if bad else 0
+  bad_grads = [r for r in grad_rows if not r["ok"]]
+  for r in bad_grads:
+    print(f"MISMATCH: {r['impl']} gradient on {r['case']}: relative difference "
+          f"{r['rel_diff_vs_ref']:.3e}", file=sys.stderr)
+  return 1 if bad or bad_grads else 0
 
 
 if __name__ == "__main__":

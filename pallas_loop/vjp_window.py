@@ -36,6 +36,7 @@ from jax import tree_util
 import jax.numpy as jnp
 
 from pallas_loop import masking
+from pallas_loop import rows as rows_lib
 
 
 def default_every(window: int) -> int:
@@ -190,9 +191,28 @@ def reverse_window(step: Callable, shared, h_start, x, t0, n, rows, g, *,
   return g, acc_shared, acc_x
 
 
+# Rows per group of the XLA backward: the batch is ordered by window length
+# and cut into groups of about this many rows (at most MAX_GROUPS groups),
+# each reversed only to its own longest window, like the kernel's tiles.
+GROUP_ROWS = 128
+MAX_GROUPS = 8
+
+
+def group_count(batch: int) -> int:
+  """How many row groups the XLA backward uses for a batch of `batch` rows."""
+  return max(1, min(MAX_GROUPS, batch // GROUP_ROWS))
+
+
 def backward_xla(step: Callable, shared, h_start, x, t0, n, row_ids, g, *, window: int,
                  every: int | None = None):
-  """`reverse_window` on the whole batch in XLA.
+  """`reverse_window` in XLA, skipping most of the finished rows' work.
+
+  Rows are ordered by descending window length and cut into
+  `group_count(B)` equal groups (padded with length-0 copies of a real row);
+  `lax.map` runs `reverse_window` on one group after another, each to its own
+  longest window, so the work tracks sum(n) roughly as the kernel's sorted
+  tiles do, and the buffers hold one group's states at a time. Parameter
+  gradients are summed over the groups in float32.
 
   Args:
     step, shared, h_start, x, g: as in `reverse_window` (leaves [B, ...]).
@@ -206,11 +226,29 @@ def backward_xla(step: Callable, shared, h_start, x, t0, n, row_ids, g, *, windo
     integer leaves).
   """
   every = every or default_every(window)
-  t0, n, rows = t0[:, None], n[:, None], row_ids[:, None]
-  g_h, acc_shared, acc_x = reverse_window(
-      step, shared, h_start, x, t0, n, rows, g, every=every,
-      ckpt=ArrayBuffer.zeros(-(-window // every) if window else 1, h_start),
-      seg=ArrayBuffer.zeros(every, h_start),
-      acc_shared=ArraySum.zeros(shared), acc_x=ArraySum.zeros(x))
-  return cast_like(acc_shared.total, shared), g_h, cast_like(acc_x.total, x)
+  batch = n.shape[0]
+  groups = group_count(batch)
+  size = -(-batch // groups)
+  order = rows_lib.descending_order(n)
+  per_row = rows_lib.take_rows((h_start, x, g, t0, row_ids), order)
+  h_s, x_s, g_s, t0_s, ids_s = rows_lib.pad_rows(per_row, groups * size, poison_ok=False)
+  n_s = rows_lib.pad_counts(jnp.take(n, order), groups * size)
+  split = lambda tree: tree_util.tree_map(
+      lambda a: a.reshape((groups, size) + a.shape[1:]), tree)
 
+  def one_group(operands):
+    h, x_, g_, t0_, n_, ids = operands
+    g_h, acc_shared, acc_x = reverse_window(
+        step, shared, h, x_, t0_[:, None], n_[:, None], ids[:, None], g_, every=every,
+        ckpt=ArrayBuffer.zeros(-(-window // every) if window else 1, h),
+        seg=ArrayBuffer.zeros(every, h),
+        acc_shared=ArraySum.zeros(shared), acc_x=ArraySum.zeros(x_))
+    return g_h, acc_shared.total, acc_x.total
+
+  g_h, g_shared, g_x = lax.map(one_group, split((h_s, x_s, g_s, t0_s, n_s, ids_s)))
+  merge = lambda tree: tree_util.tree_map(
+      lambda a: a.reshape((groups * size,) + a.shape[2:])[:batch], tree)
+  inverse = rows_lib.inverse_permutation(order)
+  g_h, g_x = rows_lib.take_rows((merge(g_h), merge(g_x)), inverse)
+  g_shared = tree_util.tree_map(lambda a: jnp.sum(a, axis=0), g_shared)
+  return cast_like(g_shared, shared), g_h, cast_like(g_x, x)

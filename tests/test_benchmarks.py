@@ -90,7 +90,8 @@ def test_plot_when_matplotlib_is_installed(tmp_path):
 @pytest.mark.slow
 def test_main_job_exits_zero(capsys):
   assert run.main(["--repeats", "1"]) == 0
-  assert "vs scan" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "vs scan" in out and "per gradient mode" in out and "Implicit" in out
 
 
 def test_gpu_check_smoke_mode_runs_anywhere(tmp_path):

@@ -44,7 +44,8 @@ def _unsupported_lowering(ctx, *args, out_avals, message):
 
 
 def _unsupported_batching(args, dims, *, out_avals, message):
-  size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+  # An unbatched operand has dim None (`batching.not_mapped` is gone in JAX 0.11).
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
   batched = tuple(jax.core.ShapedArray((size,) + a.shape, a.dtype) for a in out_avals)
   return _unsupported_p.bind(*args, out_avals=batched, message=message), (0,) * len(batched)
 

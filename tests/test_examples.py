@@ -22,3 +22,63 @@ def test_deq_fixed_point(implementation, capsys):
   assert _load("deq_fixed_point").main(["--quick", "--implementation", implementation]) == 0
   out = capsys.readouterr().out
   assert "64 converged" in out and "OK" in out
+
+
+def _impl_args(implementation):
+  return [] if implementation is None else ["--implementation", implementation]
+
+
+@pytest.mark.parametrize("implementation", [None, "pallas"])
+def test_vmap_counts(implementation, capsys):
+  assert _load("vmap_counts").main(["--quick"] + _impl_args(implementation)) == 0
+  out = capsys.readouterr().out
+  # The plain-JAX failures are caught and printed, then iterate's rows 2, 4, 8.
+  assert "ConcretizationTypeError" in out and "`length` argument to `scan`" in out
+  assert "Reverse-mode differentiation does not work" in out
+  assert "[[2. 2. 2. 2. 2.]\n     [4. 4. 4. 4. 4.]\n     [8. 8. 8. 8. 8.]]" in out
+  assert out.rstrip().endswith("OK")
+
+
+def test_stochastic_depth(capsys):
+  """Default implementation (XLA on CPU): checked against the reference, then timed."""
+  assert _load("stochastic_depth").main(["--quick"]) == 0
+  out = capsys.readouterr().out
+  assert "max |h - ref| = " in out and "times on CPU" in out and "CPU timings" in out
+  assert "user's vmap(scan + lax.cond)" in out and out.rstrip().endswith("OK")
+
+
+def test_stochastic_depth_kernel_interpret(capsys):
+  """The kernel (interpret mode) with dropout: same values and gradients as the reference."""
+  assert _load("stochastic_depth").main(["--quick", "--implementation", "pallas", "--no-timing"]) == 0
+  out = capsys.readouterr().out
+  assert "max |h - ref| = " in out and out.rstrip().endswith("OK")
+
+
+def _losses(out):
+  return [float(line.split("loss ")[1].split()[0]) for line in out.splitlines()
+          if line.strip().startswith("step ")]
+
+
+def test_recurrent_depth_quick(tmp_path, capsys):
+  pytest.importorskip("optax", reason='needs the examples extra: pip install -e ".[examples]"')
+  plot = tmp_path / "accuracy.png"
+  assert _load("recurrent_depth").main(["--quick", "--plot", str(plot)]) == 0
+  out = capsys.readouterr().out
+  losses = _losses(out)
+  # The loss goes down: the example also asserts it (mean of the first vs last 40 steps).
+  assert len(losses) >= 5 and losses[-1] < 0.5 * losses[0], losses
+  assert "of the last 40" in out and "longer than trained" in out
+  if importlib.util.find_spec("matplotlib") is None:  # optional: the plot is skipped
+    assert "matplotlib is not installed" in out
+  else:
+    assert plot.stat().st_size > 0
+
+
+def test_recurrent_depth_kernel_interpret(capsys):
+  """Two training steps with the kernel in interpret mode; its Truncated gradient vs the reference."""
+  pytest.importorskip("optax", reason='needs the examples extra: pip install -e ".[examples]"')
+  assert _load("recurrent_depth").main(
+      ["--quick", "--implementation", "pallas", "--steps", "2", "--no-eval"]) == 0
+  out = capsys.readouterr().out
+  assert "gradient vs reference.iterate: max relative difference" in out
+  assert "the loss is not checked" in out

@@ -56,13 +56,17 @@ class RefBuffer:
 
 
 class RefSum:
-  """float32 sums in refs, one per leaf of the summed pytree (None: skipped)."""
+  """float32 sums in refs, one per leaf of the summed pytree (None: skipped).
+
+  `add` takes the values as a flat list aligned with the refs (as
+  `_float_vjp` returns them), None where a leaf has no gradient.
+  """
 
   def __init__(self, refs):
     self.refs = refs
 
-  def add(self, value) -> RefSum:
-    for r, v in zip(self.refs, tree_util.tree_leaves(value, is_leaf=lambda v: v is None)):
+  def add(self, values) -> RefSum:
+    for r, v in zip(self.refs, values, strict=True):
       if r is not None:
         r[...] += v.astype(jnp.float32).reshape(r.shape)
     return self
@@ -73,8 +77,12 @@ for _cls in (RefBuffer, RefSum):
 
 
 def _float_vjp(step, shared, h, x, t, rows, ct):
-  """The step's VJP w.r.t. the float leaves only (None for the others), with
-  single-dtype dots (`jaxpr_eval.py`: Triton rejects mixed-dtype dots)."""
+  """The step's VJP w.r.t. the float leaves only, with single-dtype dots
+  (`jaxpr_eval.py`: Triton rejects mixed-dtype dots).
+
+  Returns (d_shared, d_h, d_x) with d_shared and d_x flat lists, one entry
+  per leaf of `shared` / `x` (None for integer leaves), for `RefSum`.
+  """
   leaves, tree = tree_util.tree_flatten((shared, x))
   is_f = [vjp_window.is_float(a) for a in leaves]
 
@@ -90,8 +98,9 @@ def _float_vjp(step, shared, h, x, t, rows, ct):
   floats = [a for a, f_ in zip(leaves, is_f) if f_]
   d_floats, d_h = jaxpr_eval.call_with_matched_dots(vjp_of, floats, h, ct)
   it = iter(d_floats)
-  d_shared, d_x = tree_util.tree_unflatten(tree, [next(it) if f_ else None for f_ in is_f])
-  return d_shared, d_h, d_x
+  d_all = [next(it) if f_ else None for f_ in is_f]
+  n_shared = len(tree_util.tree_leaves(shared))
+  return d_all[:n_shared], d_h, d_all[n_shared:]
 
 
 def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):

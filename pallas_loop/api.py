@@ -144,7 +144,7 @@ def iterate(
   loop = _with_custom_vjp(forward, window, fn, mode, max_iters, options)
   # Rows sharded over explicit mesh axes: run `loop` (differentiable) on each
   # device's own rows (`sharding.py`); else `loop` itself.
-  loop = sharding.per_shard(loop, warn_auto=implementation != "xla")
+  loop = sharding.per_shard(loop)
   row_ids = jnp.arange(batch, dtype=jnp.int32)
   h, residual, steps, halted = loop(params, consts, h0, x, counts, row_ids, halting)
   if not return_info:

@@ -141,7 +141,10 @@ def _put_prefix(tree, sub):
   def put(a, b):
     if a.shape[0] == b.shape[0]:
       return b
-    return lax.dynamic_update_slice_in_dim(a, b, 0, axis=0)
+    # `.at[].set` rather than a raw dynamic_update_slice: it reconciles the
+    # shardings when some operands carry a mesh (explicit sharding) and
+    # others do not.
+    return a.at[:b.shape[0]].set(b)
   return tree_util.tree_map(put, tree, sub)
 
 

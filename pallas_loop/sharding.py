@@ -126,9 +126,10 @@ def _warn_auto_axes(row_trees) -> None:
     message = (
         f"pallas_loop.iterate: the rows live on a mesh with Auto axes {auto}, "
         "so how they are sharded is not visible while tracing and iterate "
-        "cannot run the loop per shard; XLA partitions the XLA "
-        "implementation by rows, but a Pallas kernel would get the whole "
-        "state gathered onto every device. Use a mesh with Explicit axes "
+        "cannot run the loop per shard: a Pallas kernel would get the whole "
+        "state gathered onto every device, and the XLA implementation, which "
+        "orders rows by count across the whole batch, runs every row on every "
+        "device. Use a mesh with Explicit axes "
         "(jax.make_mesh's default) or wrap the call in "
         "jax.sharding.explicit_axes(..., axes=..., in_sharding=...); see "
         "docs/sharding.md.")
@@ -187,8 +188,8 @@ def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[...
       only on the same row of h0, x, counts and row_ids: int32 [B], each
       row's index in the caller's batch, sharded with the rows).
     warn_auto: warn (once) when the rows live on a multi-device mesh with
-      Auto axes, where the sharding cannot be seen; iterate passes False for
-      implementation="xla", which XLA partitions by rows on its own.
+      Auto axes, where the sharding cannot be seen (neither implementation
+      then runs per shard).
 
   Returns:
     A function with `fn`'s signature and results.

@@ -223,24 +223,19 @@ def test_auto_axes_warn_and_explicit_axes_is_the_way_out():
   assert _collectives(text) == {}, _collectives(text)
 
 
-def test_auto_axes_xla_implementation_is_partitioned_by_xla_without_warning():
+def test_auto_axes_xla_implementation_warns_and_is_correct():
+  """With Auto axes the XLA loop cannot be split by rows either (it orders the
+  rows by count across the batch): iterate says so once; results are right."""
   params, h0, x, n = _inputs(6)
   mesh = jax.make_mesh((8,), ("rows",), axis_types=(AxisType.Auto,))
   s_h0, s_x, s_n = jax.device_put((h0, x, n), NamedSharding(mesh, P("rows")))
   f = jax.jit(lambda h, x_, n_: pallas_loop.iterate(
       _step, params, h, x_, iters=n_, max_iters=MAX_ITERS, implementation="xla"))
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
+  pallas_loop.sharding._warned.clear()
+  with pytest.warns(UserWarning, match="Auto axes.*XLA implementation.*every device"):
     got = f(s_h0, s_x, s_n)
-    text = f.lower(s_h0, s_x, s_n).compile().as_text()
   oracle.assert_trees_close(
       got, reference.iterate(_step, params, h0, x, iters=n, max_iters=MAX_ITERS))
-  # XLA splits the while loop by rows itself; only the loop's "any row
-  # still running" test is reduced across devices.
-  found = _collectives(text)
-  assert set(found) <= {"all-reduce"}, found
-  assert all(re.search(r"= s32\[\] all-reduce\(", l) for l in found.get("all-reduce", [])), found
-  assert got.sharding.spec == P("rows")
 
 
 def test_grads_on_two_axis_mesh_rows_on_one_axis():

@@ -107,3 +107,10 @@ def test_gradient_mode_benchmark_agrees_on_a_tiny_case():
   assert [r["impl"] for r in rows] == ["xla", "pallas"]
   assert all(r["ok"] and r["checked"] for r in rows), rows
   assert all(r["temp_bytes"] > 0 for r in rows)
+
+
+def test_row_cost_probe_runs(capsys):
+  from benchmarks import row_cost
+  assert row_cost.main(["--block", "tanh_rnn", "--batch", "32", "--d", "16", "--steps", "2",
+                        "--repeats", "1"]) == 0
+  assert "S=   32" in capsys.readouterr().out

@@ -29,7 +29,19 @@ def _row_sum(a: jax.Array) -> jax.Array:
 
 
 def row_rms(tree) -> jax.Array:
-  """float32 [R]: root-mean-square over all elements of each row of `tree`."""
+  """Root-mean-square over all elements of each row of `tree`, in float32.
+
+  Args:
+    tree: a pytree of arrays [R, ...] (e.g. the state `h`).
+
+  Returns:
+    float32 [R]: sqrt(mean of squares over every element of the row, all
+    leaves together).
+
+  Example:
+    >>> halting.row_rms(jnp.array([[3.0, 4.0], [0.0, 0.0]]))
+    Array([3.535534, 0.      ], dtype=float32)
+  """
   squares = sum(_row_sum(jnp.square(a.astype(jnp.float32)))
                 for a in tree_util.tree_leaves(tree))
   return jnp.sqrt(squares * (1.0 / max(masking.elems_per_row(tree), 1)))
@@ -95,6 +107,13 @@ def below(score: Callable[[Any, Any, Any, Any], jax.Array], threshold: float) ->
 
 def any_of(*criteria: Criterion) -> Criterion:
   """Halts a row when any of `criteria` holds (e.g. converged OR confident).
+
+  Args:
+    *criteria: one or more `halt(params, h_new, h, x) -> bool [rows]`
+      criteria (e.g. from this module).
+
+  Returns:
+    A criterion: the elementwise OR of theirs.
 
   Example:
     >>> halt = halting.any_of(halting.relative_change(1e-3), halting.below(kl, 1e-4))

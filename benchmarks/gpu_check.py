@@ -29,6 +29,7 @@ import pallas_loop
 import reference
 from benchmarks import blocks
 from benchmarks import cases
+from benchmarks import grad_modes
 from benchmarks import harness
 from benchmarks import plot
 from pallas_loop import rows
@@ -77,11 +78,18 @@ def main(argv=None) -> int:
       bad.append(f"gradient {case.label}")
   harness.print_table(results)
   bad += [f"{r['impl']} {r['case']}" for r in results if not r["ok"]]
+  # Every gradient mode, forward kernel + fused backward kernel vs jit(grad)
+  # of the masked scan: time and compiled memory.
+  grad_cases = grad_modes.scaled_cases(*((16, 16) if args.smoke else (4096, 128)))
+  grad_rows = grad_modes.run_all(["xla", "pallas"], 1 if args.smoke else args.repeats,
+                                 cases=grad_cases)
+  grad_modes.print_table(grad_rows)
+  bad += [f"{r['impl']} gradient {r['case']}" for r in grad_rows if not r["ok"]]
   if args.plot and plot.have_matplotlib():
     plot.speedup_plot(results, args.plot, f"{device.device_kind}, JAX {jax.__version__}")
   payload = dict(jax=jax.__version__, device=device.device_kind,
                  backend=jax.default_backend(), seconds=time.time() - start,
-                 results=results, gradient_max_errors=grad_errors)
+                 results=results, gradient_max_errors=grad_errors, grad_modes=grad_rows)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(payload, f, indent=1)

@@ -118,6 +118,11 @@ def print_table(rows):
         "difference reported, not checked.")
 
 
+def scaled_cases(batch: int, d: int):
+  """`DEFAULT_CASES` at another batch size and width (e.g. the GPU check's)."""
+  return tuple(dataclasses.replace(c, batch=batch, d=d) for c in DEFAULT_CASES)
+
+
 def run_all(impls, repeats: int, cases=DEFAULT_CASES):
   """Every case of `cases` on `impls`; the rows `print_table` prints."""
   rows = []

@@ -97,7 +97,10 @@ def test_main_job_exits_zero(capsys):
 def test_gpu_check_smoke_mode_runs_anywhere(tmp_path):
   assert gpu_check.main(["--smoke", "--out", str(tmp_path / "r.json")]) == 0
   rows = sum(len(harness._applicable(c)) for c in cases.smoke_suite())  # pylint: disable=protected-access
-  assert (tmp_path / "r.json").read_text().count('"impl"') == rows
+  payload = json.loads((tmp_path / "r.json").read_text())
+  assert len(payload["results"]) == rows
+  assert {r["impl"] for r in payload["grad_modes"]} == {"xla", "pallas"}
+  assert all(r["ok"] for r in payload["grad_modes"])
 
 
 def test_gradient_mode_benchmark_agrees_on_a_tiny_case():

@@ -61,7 +61,9 @@ def main(argv=None) -> int:
   if not args.no_grad_modes:
     print("\nForward+backward per gradient mode (jit(grad(loss)), vs the masked scan's):")
     grad_impls = [i for i in impls if i in ("xla", "pallas")]
-    grad_rows = grad_modes.run_all(grad_impls, args.repeats)
+    grad_cases = (grad_modes.scaled_cases(16, 16) if args.suite == "smoke"
+                  else grad_modes.DEFAULT_CASES)
+    grad_rows = grad_modes.run_all(grad_impls, args.repeats, cases=grad_cases)
     grad_modes.print_table(grad_rows)
   seconds = time.time() - start
   print(f"total {seconds:.0f} s")

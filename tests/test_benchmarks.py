@@ -75,8 +75,17 @@ def test_suites_are_well_formed():
 def test_run_smoke_suite_with_json(tmp_path):
   out = tmp_path / "r.json"
   assert run.main(["--suite", "smoke", "--repeats", "1", "--json", str(out)]) == 0
-  results = json.loads(out.read_text())["results"]
-  assert {r["case"] for r in results} == {c.label for c in cases.smoke_suite()}
+  payload = json.loads(out.read_text())
+  assert {r["case"] for r in payload["results"]} == {c.label for c in cases.smoke_suite()}
+  modes = {r["case"].split(" T=")[1].split(" ", 1)[1] for r in payload["grad_modes"]}
+  assert any("Truncated" in m for m in modes) and any("Implicit" in m for m in modes)
+
+
+def test_main_job_prints_both_tables(capsys):
+  """The README's main job (CI runs the default suite itself): both tables."""
+  assert run.main(["--suite", "smoke", "--repeats", "1", "--impls", "xla"]) == 0
+  out = capsys.readouterr().out
+  assert "vs scan" in out and "per gradient mode" in out and "Phantom" in out
 
 
 def test_plot_when_matplotlib_is_installed(tmp_path):
@@ -85,13 +94,6 @@ def test_plot_when_matplotlib_is_installed(tmp_path):
   results = harness.run_case(cases.Case("tanh_rnn", 16, 16, 4, "uniform"), None, repeats=1)
   plot.speedup_plot(results, str(tmp_path / "p.png"), "test")
   assert (tmp_path / "p.png").stat().st_size > 1000
-
-
-@pytest.mark.slow
-def test_main_job_exits_zero(capsys):
-  assert run.main(["--repeats", "1"]) == 0
-  out = capsys.readouterr().out
-  assert "vs scan" in out and "per gradient mode" in out and "Implicit" in out
 
 
 def test_gpu_check_smoke_mode_runs_anywhere(tmp_path):

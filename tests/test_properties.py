@@ -65,7 +65,7 @@ def test_random_problems(p):
 
 
 @pytest.mark.slow
-@settings(max_examples=80, **_SETTINGS)
+@settings(max_examples=40, **_SETTINGS)
 @given(problems())
 def test_random_problems_many(p):
   _check(p)

@@ -65,7 +65,7 @@ def test_bucket_ladder():
   assert buckets.bucket_sizes(1) == (1,)
   assert buckets.bucket_sizes(7) == (7,)
   assert buckets.bucket_sizes(64) == (64, 48, 32, 16)
-  assert buckets.bucket_sizes(1024) == (1024, 896, 768, 640, 512, 384, 256, 128, 64, 32, 16)
+  assert buckets.bucket_sizes(1024) == (1024, 768, 512, 256, 128, 64, 32, 16)
   for b in (1, 9, 100, 300, 1024, 4096, 1000):
     sizes = buckets.bucket_sizes(b)
     assert sizes[0] == b and list(sizes) == sorted(set(sizes), reverse=True)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_loop
+from pallas_loop import vjp_window
 import reference
 from benchmarks import blocks
 from benchmarks import cases
@@ -156,6 +157,13 @@ def _make_fn(case: Case, name: str, step, halting):
   return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
+def _grouped_row_steps(steps, group: int) -> int:
+  """Row-steps when rows, ordered by count, run in groups of `group` rows,
+  each to its own largest count."""
+  ordered = np.sort(np.asarray(steps).reshape(-1))[::-1]
+  return int(sum(group * int(ordered[i]) for i in range(0, ordered.size, group)))
+
+
 def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0) -> list[dict]:
   """Times and checks the implementations on one case; one dict per impl.
 
@@ -194,9 +202,12 @@ def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0) -> list[di
     err = max_error(outs[n], outs["masked_scan"])
     computed = rows_computed(n, counts, steps, case.max_iters, block_rows)
     if case.grad is not None and n != "masked_scan":
-      # grad="full" (vjp_full) recomputes the forward and runs the reverse
-      # loop on the whole batch to the largest count: 2 B max(n) row-steps.
-      computed += 2 * case.batch * int(steps.max(initial=0))
+      # grad="full" recomputes the forward and runs the reverse loop: 2 row-
+      # steps per row and step, over row groups (XLA) or tiles (pallas)
+      # ordered by count, each to its own largest count.
+      group = (block_rows if n == "pallas" else
+               -(-case.batch // vjp_window.group_count(case.batch)))
+      computed += 2 * _grouped_row_steps(steps, group)
     elif case.grad is not None:  # autodiff of the scan: reverse over every step
       computed *= 2
     seconds = statistics.median(times[n])

@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +27,7 @@ import numpy as np
 import pallas_loop
 import reference
 from benchmarks import blocks
+from benchmarks import harness
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,16 +57,6 @@ DEFAULT_CASES = (
 )
 
 
-def _median_time(f, args, repeats):
-  jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def run_case(case: GradCase, impls, repeats: int):
   step, params, h0, x = blocks.make(case.block, case.batch, case.d, jnp.float32,
                                     jax.random.key(0))
@@ -88,7 +77,7 @@ def run_case(case: GradCase, impls, repeats: int):
 
   ref = grad_fn(reference.iterate, grad=ref_grad)
   args = (params, h0, x)
-  ref_time = _median_time(ref, args, repeats)
+  ref_time = harness.median_seconds(ref, *args, repeats=repeats)
   ref_mem = ref.lower(*args).compile().memory_analysis().temp_size_in_bytes
   want = ref(*args)
   rows = []
@@ -98,7 +87,7 @@ def run_case(case: GradCase, impls, repeats: int):
     err = max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(b))))
               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
     mem = f.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    t = _median_time(f, args, repeats)
+    t = harness.median_seconds(f, *args, repeats=repeats)
     rows.append(dict(case=case.name, impl=impl, time_s=t, speedup_vs_scan_grad=ref_time / t,
                      temp_bytes=mem, memory_vs_scan_grad=mem / ref_mem,
                      rel_diff_vs_ref=err, checked=exact, ok=(not exact) or err < 1e-4))

@@ -12,9 +12,7 @@ both divided by 64*S. Prints one line per S.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,16 +20,7 @@ import numpy as np
 
 import pallas_loop
 from benchmarks import blocks
-
-
-def _median_ms(f, *args, repeats: int) -> float:
-  jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) * 1e3
+from benchmarks import harness
 
 
 def main(argv=None) -> int:
@@ -53,9 +42,9 @@ def main(argv=None) -> int:
   sizes = [s for s in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if s <= args.batch]
   for s in sizes:
     n = jnp.asarray(np.where(np.arange(args.batch) < s, args.steps, 0), jnp.int32)
-    per = 1e3 / (args.steps * s)
-    t_iter = _median_ms(run, n, repeats=args.repeats) * per
-    t_bare = _median_ms(bare, h0[:s], x[:s], repeats=args.repeats) * per
+    per = 1e6 / (args.steps * s)  # seconds -> microseconds per row-step
+    t_iter = harness.median_seconds(run, n, repeats=args.repeats) * per
+    t_bare = harness.median_seconds(bare, h0[:s], x[:s], repeats=args.repeats) * per
     print(f"S={s:5d}  bare fori_loop {t_bare:.3f}  iterate(xla) {t_iter:.3f}")
   return 0
 

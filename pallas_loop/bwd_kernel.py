@@ -31,6 +31,7 @@ import numpy as np
 
 from pallas_loop import backend as backend_lib
 from pallas_loop import jaxpr_eval
+from pallas_loop import kernel
 from pallas_loop import rows as rows_lib
 from pallas_loop import vjp_window
 
@@ -161,15 +162,15 @@ class WindowPlan:
   """The backward kernel on one backend, or why it cannot run.
 
   Attributes:
-    tile: the forward's `kernel.TilePlan`-like fields (block_rows, rows,
-      traced step, backend).
+    tile: the forward's `kernel.TilePlan` (block_rows, rows, traced step,
+      backend).
     every: checkpoint interval C; slots: (S, C) buffer sizes (powers of 2).
     shared_shapes: true shapes of params leaves then the traced constants.
     shared_float/x_float: which of those (and of x's leaves) get gradients.
     problems: violated backend rules; empty when the kernel can run.
   """
 
-  tile: "object"
+  tile: kernel.TilePlan
   every: int
   slots: tuple[int, int]
   shared_shapes: tuple
@@ -178,26 +179,21 @@ class WindowPlan:
   problems: tuple[str, ...]
 
 
-def _shared_2d(a) -> tuple[int, ...]:
-  return (1, 1) if np.ndim(a) == 0 else tuple(np.shape(a))
-
-
-def plan(backend, tile_plan_fn, step_fn, params, consts, h, x, *, block_rows, bound: int,
+def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
          every: int | None) -> WindowPlan:
-  """Plans the backward kernel: the forward's tile plan plus the VJP's needs.
+  """Plans the backward kernel: the forward's tile plan (`kernel.plan`: tile
+  shape, traced step, block rules of the step's operands) plus the VJP's needs.
 
   Args:
     backend: the Pallas backend.
-    tile_plan_fn: `kernel.plan` (the forward's planning: tile shape, traced
-      step, block rules of the step's operands).
     step_fn, params, consts, h, x: as for the forward.
     block_rows: rows per tile or None.
     bound: static bound on the window length; every: checkpoint interval.
   """
   every = every or vjp_window.default_every(bound)
-  tile = tile_plan_fn(backend, step_fn, params, consts, h, x, block_rows)
+  tile = kernel.plan(backend, step_fn, params, consts, h, x, block_rows)
   tb, padded = tile.block_rows, tile.rows
-  slots = (backend_lib.next_power_of_2(max(1, -(-bound // every))),
+  slots = (backend_lib.next_power_of_2(vjp_window.checkpoint_slots(bound, every)),
            backend_lib.next_power_of_2(every))
   shared = list(tree_util.tree_leaves(params)) + list(tile.traced.const_values)
   blocks = []
@@ -207,8 +203,8 @@ def plan(backend, tile_plan_fn, step_fn, params, consts, h, x, *, block_rows, bo
           f"{name} of h{tree_util.keystr(path)}", (size, tb) + a.shape[1:],
           (size, padded) + a.shape[1:]))
   for i, a in enumerate(shared):
-    blocks.append(backend_lib.Block(f"per-tile gradient #{i}", (1,) + _shared_2d(a),
-                                    (padded // tb,) + _shared_2d(a)))
+    blocks.append(backend_lib.Block(f"per-tile gradient #{i}", (1,) + kernel.shared_2d(a),
+                                    (padded // tb,) + kernel.shared_2d(a)))
 
   def vjp_of_step(shared, h, x, t, rows, g):
     params, consts = shared
@@ -265,19 +261,10 @@ def run(wp: WindowPlan, params, consts, h_start, x, t0, n, row_ids, g, *, sort_r
   h_leaves, h_tree = tree_util.tree_flatten(h_in)
   x_leaves, x_tree = tree_util.tree_flatten(x_in)
   g_leaves = tree_util.tree_leaves(g_in)
-  shared = [jnp.reshape(a, _shared_2d(a))
-            for a in params_leaves + list(tile.traced.const_values)]
+  shared = kernel.shared_operands(params_leaves, tile.traced.const_values)
   n_tiles = padded // tb
-  trailing = lambda a: (0,) * (len(a.shape) - 1)
-
-  def row_spec(a):
-    return pl.BlockSpec((tb,) + a.shape[1:], lambda i: (i,) + trailing(a))
-
-  def full_spec(a):
-    return pl.BlockSpec(a.shape, lambda i: (0,) * len(a.shape))
-
-  def tile_spec(a):
-    return pl.BlockSpec((1,) + a.shape[1:], lambda i: (i,) + trailing(a))
+  rows_of = functools.partial(kernel.row_spec, block_rows=tb)
+  tile_spec = functools.partial(kernel.row_spec, block_rows=1)  # [NT, ...]: one per program
 
   def slot_spec(a):
     return pl.BlockSpec((a.shape[0], tb) + a.shape[2:],
@@ -290,14 +277,14 @@ def run(wp: WindowPlan, params, consts, h_start, x, t0, n, row_ids, g, *, sort_r
                   for a, f in zip(shared, wp.shared_float) if f]
   scratch = [struct((size, padded) + a.shape[1:], a.dtype)
              for size in wp.slots for a in h_leaves]
-  kernel = functools.partial(_window_kernel, wp=wp, trees=(params_tree, h_tree, x_tree),
-                             every=wp.every)
+  body = functools.partial(_window_kernel, wp=wp, trees=(params_tree, h_tree, x_tree),
+                           every=wp.every)
   outs = pl.pallas_call(
-      kernel,
+      body,
       grid=(n_tiles,),
-      in_specs=[*map(row_spec, columns), *map(full_spec, shared),
-                *map(row_spec, h_leaves + x_leaves + g_leaves)],
-      out_specs=[*map(row_spec, g_h_out + g_x_out), *map(tile_spec, g_shared_out),
+      in_specs=[*map(rows_of, columns), *map(kernel.full_spec, shared),
+                *map(rows_of, h_leaves + x_leaves + g_leaves)],
+      out_specs=[*map(rows_of, g_h_out + g_x_out), *map(tile_spec, g_shared_out),
                  *map(slot_spec, scratch)],
       out_shape=[*g_h_out, *g_x_out, *g_shared_out, *scratch],
       compiler_params=tile.backend.compiler_params(tb),

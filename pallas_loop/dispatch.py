@@ -197,7 +197,7 @@ def window_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
       return g_params, g_consts, g_h, g_x
 
     def plan(backend, params, consts, h_start, x, t0, n, row_ids, g):
-      return bwd_kernel.plan(backend, kernel.plan, step_fn, params, consts, h_start, x,
+      return bwd_kernel.plan(backend, step_fn, params, consts, h_start, x,
                              block_rows=block_rows, bound=bound, every=every)
 
     def run_kernel(p, params, consts, h_start, x, t0, n, row_ids, g):

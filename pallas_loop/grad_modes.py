@@ -134,10 +134,7 @@ class Phantom:
     _static_int("Phantom(k)", self.k, 1)
 
 
-GradMode = Full | Truncated | Implicit | Phantom
-
-
-def as_mode(grad) -> GradMode:
+def as_mode(grad) -> Full | Truncated | Implicit | Phantom:
   """`grad=` as a mode object; "full" is `Full()`. Raises on anything else."""
   if isinstance(grad, str) and grad == "full":
     return Full()

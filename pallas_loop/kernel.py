@@ -101,8 +101,25 @@ def _tile_avals(tree, block_rows):
       lambda a: jax.ShapeDtypeStruct((block_rows,) + a.shape[1:], a.dtype), tree)
 
 
-def _shared_2d(a) -> tuple[int, ...]:
+def shared_2d(a) -> tuple[int, ...]:
+  """The shape a shared operand travels in: 0-d operands as [1, 1]."""
   return (1, 1) if np.ndim(a) == 0 else tuple(np.shape(a))
+
+
+def shared_operands(params_leaves, const_values) -> list:
+  """params leaves, then the step's constants, reshaped by `shared_2d`."""
+  return [jnp.reshape(a, shared_2d(a)) for a in list(params_leaves) + list(const_values)]
+
+
+def row_spec(a, block_rows: int) -> pl.BlockSpec:
+  """Tiles of `block_rows` rows of an operand [P, ...], one per program."""
+  trailing = (0,) * (len(a.shape) - 1)
+  return pl.BlockSpec((block_rows,) + tuple(a.shape[1:]), lambda i: (i,) + trailing)
+
+
+def full_spec(a) -> pl.BlockSpec:
+  """The whole operand in every program."""
+  return pl.BlockSpec(a.shape, lambda i: (0,) * len(a.shape))
 
 
 def plan(backend, step_fn, params, consts, h0, x, block_rows=None) -> TilePlan:
@@ -119,10 +136,10 @@ def plan(backend, step_fn, params, consts, h0, x, block_rows=None) -> TilePlan:
           f"{name}{tree_util.keystr(path)}", (tb,) + a.shape[1:], (padded,) + a.shape[1:]))
   for path, a in tree_util.tree_flatten_with_path(params)[0]:
     blocks.append(backend_lib.Block(f"params{tree_util.keystr(path)}",
-                                    _shared_2d(a), _shared_2d(a)))
+                                    shared_2d(a), shared_2d(a)))
   for i, c in enumerate(traced.const_values):
     blocks.append(backend_lib.Block(f"an array step closes over (#{i})",
-                                    _shared_2d(c), _shared_2d(c)))
+                                    shared_2d(c), shared_2d(c)))
   problems = (backend.block_problems(blocks)
               + backend_lib.unsupported_primitive_problems(backend, traced.jaxpr)
               + backend.extra_problems(traced.jaxpr))
@@ -163,17 +180,10 @@ def run(tile_plan: TilePlan, params, h0, x, counts, row_ids, halting, *, sort_ro
   params_leaves, params_tree = tree_util.tree_flatten(params)
   h_leaves, h_tree = tree_util.tree_flatten(h_in)
   x_leaves, x_tree = tree_util.tree_flatten(x_in)
-  shared = [jnp.reshape(a, _shared_2d(a))
-            for a in params_leaves + list(tile_plan.traced.const_values)]
+  shared = shared_operands(params_leaves, tile_plan.traced.const_values)
   halting_leaves, halting_tree = tree_util.tree_flatten(halting)
   halting_ops = [a.reshape(1, 1) for a in halting_leaves]
-
-  def row_spec(a):
-    trailing = (0,) * (a.ndim - 1)
-    return pl.BlockSpec((tb,) + a.shape[1:], lambda i: (i,) + trailing)
-
-  def full_spec(a):
-    return pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
+  rows_of = functools.partial(row_spec, block_rows=tb)
 
   kernel = functools.partial(
       _iterate_kernel, spec=tile_plan, trees=(params_tree, halting_tree, h_tree, x_tree),
@@ -185,10 +195,10 @@ def run(tile_plan: TilePlan, params, h0, x, counts, row_ids, halting, *, sort_ro
   outs = pl.pallas_call(
       kernel,
       grid=(padded // tb,),
-      in_specs=[row_spec(counts_col), row_spec(index_col),
+      in_specs=[rows_of(counts_col), rows_of(index_col),
                 *map(full_spec, shared + halting_ops),
-                *map(row_spec, h_leaves), *map(row_spec, x_leaves)],
-      out_specs=[*map(row_spec, h_leaves), *map(row_spec, stats)],
+                *map(rows_of, h_leaves), *map(rows_of, x_leaves)],
+      out_specs=[*map(rows_of, h_leaves), *map(rows_of, stats)],
       out_shape=[*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in h_leaves), *stats],
       compiler_params=tile_plan.backend.compiler_params(tb),
       interpret=tile_plan.backend.interpret,

@@ -47,6 +47,11 @@ def default_every(window: int) -> int:
   return max(1, math.isqrt(max(window - 1, 0)) + 1)
 
 
+def checkpoint_slots(window: int, every: int) -> int:
+  """States the checkpoint buffer holds: ceil(window / every), at least 1."""
+  return max(1, -(-window // every))
+
+
 def is_float(a) -> bool:
   return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
 
@@ -240,7 +245,7 @@ def backward_xla(step: Callable, shared, h_start, x, t0, n, row_ids, g, *, windo
     h, x_, g_, t0_, n_, ids = operands
     g_h, acc_shared, acc_x = reverse_window(
         step, shared, h, x_, t0_[:, None], n_[:, None], ids[:, None], g_, every=every,
-        ckpt=ArrayBuffer.zeros(-(-window // every) if window else 1, h),
+        ckpt=ArrayBuffer.zeros(checkpoint_slots(window, every), h),
         seg=ArrayBuffer.zeros(every, h),
         acc_shared=ArraySum.zeros(shared), acc_x=ArraySum.zeros(x_))
     return g_h, acc_shared.total, acc_x.total

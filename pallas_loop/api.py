@@ -133,9 +133,10 @@ def iterate(
   step_fn_lib.check_halt_output(flag_shape, batch)
   fn = step_fn_lib.StepFn(body, tuple(consts))
 
+  # The residual is only computed when it is returned.
   forward = dispatch.forward_fn(
       fn, implementation=implementation, interpret=interpret,
-      block_rows=block_rows, sort_rows=sort_rows)
+      block_rows=block_rows, sort_rows=sort_rows, residual=return_info)
   window = dispatch.window_fn(
       fn, implementation=implementation, interpret=interpret,
       block_rows=block_rows, sort_rows=sort_rows)

@@ -167,7 +167,8 @@ def _compact(s: _Rows, t) -> _Rows:
   return rows_lib.take_rows(s, order)
 
 
-def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: int):
+def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: int,
+               residual: bool):
   """Steps the rows of `s` while more than `until` of them are running.
 
   Returns:
@@ -181,7 +182,7 @@ def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: in
     # Each row's step index is the trip counter (a running row has applied
     # t steps); its batch index travels with it (random keys depend on both).
     h_new, flag = body(params, s.h, s.x, jnp.broadcast_to(t, (size, 1)), s.rows)
-    s = masking.apply_update(s, running, t, h_new, flag, halting, elems_per_row)
+    s = masking.apply_update(s, running, t, h_new, flag, halting, elems_per_row, residual)
     return t + 1, _count(_running(s, t + 1)), s
 
   live = _count(_running(s, t))
@@ -195,7 +196,7 @@ def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: in
   return t, s
 
 
-def forward(body, params, h0, x, counts, row_ids, halting):
+def forward(body, params, h0, x, counts, row_ids, halting, residual=True):
   """Runs each row to its budget or halting, computing only running rows.
 
   Args:
@@ -206,6 +207,7 @@ def forward(body, params, h0, x, counts, row_ids, halting):
     counts: int32 [B], already clipped to [0, max_iters].
     row_ids: int32 [B], each row's index in the caller's batch.
     halting: None or `masking.Halting`.
+    residual: track each row's last residual (else it is returned as 0).
 
   Returns:
     (h, residual, steps, halted): final state in the caller's row order;
@@ -232,7 +234,8 @@ def forward(body, params, h0, x, counts, row_ids, halting):
     until = sizes[k + 1] if k + 1 < len(sizes) else 0
 
     def stage(t, s, size=size, until=until):
-      t, sub = _run_stage(body, params, _prefix(s, size), t, until, halting, elems)
+      t, sub = _run_stage(body, params, _prefix(s, size), t, until, halting, elems,
+                          residual)
       return t, _put_prefix(s, sub)
 
     # A stage with nothing to do (its rows finished in a larger bucket, or

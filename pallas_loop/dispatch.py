@@ -152,7 +152,7 @@ def _per_platform(what, plan, run_kernel, run_xla, *, implementation, interpret)
   return select
 
 
-def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
+def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows, residual=True):
   """The forward `f(params, consts, h0, x, counts, row_ids, halting) -> outputs`.
 
   Outputs are (h, residual, steps, halted), see `xla.forward`; `row_ids`
@@ -163,18 +163,20 @@ def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
     implementation: None (auto), "pallas" or "xla".
     interpret: None, True, False or a `pltpu.InterpretParams`.
     block_rows, sort_rows: kernel tiling options.
+    residual: track each row's last residual (False when the caller does not
+      ask for it: saves a reduction per step; the residual output is then 0).
   """
 
   def run_xla(params, consts, h0, x, counts, row_ids, halting):
     body = lambda p, h, x_, t, rows: step_fn(p, consts, h, x_, t, rows)
-    return xla.forward(body, params, h0, x, counts, row_ids, halting)
+    return xla.forward(body, params, h0, x, counts, row_ids, halting, residual)
 
   def plan(backend, params, consts, h0, x, counts, row_ids, halting):
     return kernel.plan(backend, step_fn, params, consts, h0, x, block_rows)
 
   def run_kernel(p, params, consts, h0, x, counts, row_ids, halting):
     return kernel.run(p, params, h0, x, counts, row_ids, halting, sort_rows=sort_rows,
-                      name=KERNEL_NAME)
+                      name=KERNEL_NAME, residual=residual)
 
   return _per_platform("forward", plan, run_kernel, run_xla,
                        implementation=implementation, interpret=interpret)

@@ -30,7 +30,8 @@ from pallas_loop import rows as rows_lib
 from pallas_loop import step_fn as step_fn_lib
 
 
-def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_row):
+def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_row,
+                    residual):
   """The kernel body. Refs, in order:
 
   counts_ref: int32 [TB, 1]      the tile's step budgets
@@ -41,7 +42,7 @@ def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_r
   h refs: [TB, ...]              initial state leaves
   x refs: [TB, ...]              input leaves
   out h refs: [TB, ...]          final state leaves
-  out residual_ref: f32 [TB, 1]  rms of each row's last update
+  out residual_ref: f32 [TB, 1]  rms of each row's last update (0 unless `residual`)
   out steps_ref: i32 [TB, 1]     steps applied
   out halted_ref: i32 [TB, 1]    1 where a criterion stopped the row
   """
@@ -66,7 +67,7 @@ def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_r
   h = tree_util.tree_unflatten(h_tree, [r[...] for r in h_refs])
   body = lambda p, h, x, t, rows: spec.traced.apply(consts, p, h, x, t, rows, match_dots=True)
   state = masking.run_loop(body, params, h, x, counts_ref[...], rows_ref[...], halting,
-                           elems_per_row)
+                           elems_per_row, residual)
   for ref, leaf in zip(h_out_refs, tree_util.tree_leaves(state.h)):
     ref[...] = leaf
   residual_ref[...] = state.residual
@@ -151,7 +152,7 @@ def plan(backend, step_fn, params, consts, h0, x, block_rows=None) -> TilePlan:
 
 
 def run(tile_plan: TilePlan, params, h0, x, counts, row_ids, halting, *, sort_rows: bool,
-        name: str):
+        name: str, residual: bool = True):
   """Runs the kernel: orders and pads rows, calls Pallas, restores the order.
 
   Args:
@@ -162,6 +163,7 @@ def run(tile_plan: TilePlan, params, h0, x, counts, row_ids, halting, *, sort_ro
     halting: None or `masking.Halting` (0-d operands).
     sort_rows: order rows by descending count before tiling.
     name: the `pallas_call` name.
+    residual: track each row's last residual (else it is returned as 0).
 
   Returns:
     (h, residual, steps, halted): the final state; float32, int32, bool [B].
@@ -189,7 +191,7 @@ def run(tile_plan: TilePlan, params, h0, x, counts, row_ids, halting, *, sort_ro
       _iterate_kernel, spec=tile_plan, trees=(params_tree, halting_tree, h_tree, x_tree),
       n_ops=(len(params_leaves), len(tile_plan.const_shapes), len(halting_ops),
              len(h_leaves), len(x_leaves)),
-      elems_per_row=masking.elems_per_row(h_leaves))
+      elems_per_row=masking.elems_per_row(h_leaves), residual=residual)
   column = lambda dtype: jax.ShapeDtypeStruct((padded, 1), dtype)
   stats = [column(jnp.float32), column(jnp.int32), column(jnp.int32)]
   outs = pl.pallas_call(

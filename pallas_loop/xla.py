@@ -13,7 +13,7 @@ from __future__ import annotations
 from pallas_loop import buckets
 
 
-def forward(body, params, h0, x, counts, row_ids, halting):
+def forward(body, params, h0, x, counts, row_ids, halting, residual=True):
   """Runs the rows of the batch to their budgets or halting.
 
   Args:
@@ -22,8 +22,9 @@ def forward(body, params, h0, x, counts, row_ids, halting):
     counts: int32 [B], already clipped to [0, max_iters].
     row_ids: int32 [B], each row's index in the caller's batch.
     halting: None or `masking.Halting`.
+    residual: track each row's last residual (else it is returned as 0).
 
   Returns:
     (h, residual, steps, halted): final state; float32, int32, bool [B].
   """
-  return buckets.forward(body, params, h0, x, counts, row_ids, halting)
+  return buckets.forward(body, params, h0, x, counts, row_ids, halting, residual)

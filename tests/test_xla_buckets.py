@@ -17,6 +17,7 @@ import pytest
 import pallas_loop
 import reference
 from benchmarks import blocks
+from pallas_loop import backend as backend_lib
 from pallas_loop import buckets
 from tests import oracle
 
@@ -233,3 +234,31 @@ def test_gradients_still_match():
       lambda *a, **k: pallas_loop.iterate(*a, implementation="xla", **k), p))(params)
   want = jax.grad(lambda p: loss(reference.iterate, p))(params)
   oracle.assert_trees_close(got, want, what="grad")
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_residual_computed_only_when_returned(implementation):
+  """Without `return_info` (and no tolerance) the per-step rms is skipped.
+
+  It is a reduction over the state on every step (~15% of a light step on
+  CPU); with `return_info=True` or a `tol` it is there, and the residual is
+  the reference's (checked above and in test_forward).
+  """
+  step, params, h0, x = blocks.make("tanh_rnn", 32, 16)
+  n = _counts("uniform", 32)
+
+  def primitives(**kw):
+    jaxpr = jax.make_jaxpr(lambda h: pallas_loop.iterate(
+        step, params, h, x, iters=n, max_iters=T, implementation=implementation,
+        interpret=True if implementation == "pallas" else None, **kw))(h0)
+    return {e.primitive.name for e in backend_lib.iter_eqns(jaxpr.jaxpr)}
+
+  assert "sqrt" not in primitives()
+  assert "sqrt" in primitives(return_info=True)
+  assert "sqrt" in primitives(tol=1e-3)
+  run = lambda **kw: jax.jit(lambda h: pallas_loop.iterate(
+      step, params, h, x, iters=n, max_iters=T, implementation=implementation, **kw))(h0)
+  got, info = run(return_info=True)
+  np.testing.assert_array_equal(got, run())  # the same loop, one output fewer
+  want = reference.iterate(step, params, h0, x, iters=n, max_iters=T, return_info=True)[1]
+  np.testing.assert_allclose(info.residual, want.residual, rtol=1e-5, atol=1e-7)

@@ -103,6 +103,9 @@ def test_gpu_check_smoke_mode_runs_anywhere(tmp_path):
   assert len(payload["results"]) == rows
   assert {r["impl"] for r in payload["grad_modes"]} == {"xla", "pallas"}
   assert all(r["ok"] for r in payload["grad_modes"])
+  sweep = payload["block_rows_sweep"]
+  assert [r["block"] for r in sweep] == ["tanh_rnn", "residual_mlp"]
+  assert all(set(r["seconds"]) == {"8", "16"} and r["best"] in (8, 16) for r in sweep)
 
 
 def test_gradient_mode_benchmark_agrees_on_a_tiny_case():

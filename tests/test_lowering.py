@@ -74,7 +74,7 @@ def test_triton_rule_failure_is_deferred_to_cuda_lowering():
   step, params, h0, x = blocks.make("tanh_rnn", 64, 24)
   n = jnp.arange(64, dtype=jnp.int32) % 9
   f = _compiled(step, implementation="pallas", interpret=False)
-  with pytest.raises(ValueError, match=r"power-of-2.*h0 has block shape \(32, 24\).*implementation='xla'"):
+  with pytest.raises(ValueError, match=r"power-of-2.*h0 has block shape \(16, 24\).*implementation='xla'"):
     lowering.export_text(f, params, h0, x, n, platform="cuda")
   assert lowering.kernel_marker("tpu") in lowering.export_text(f, params, h0, x, n, platform="tpu")
 

@@ -1,0 +1,112 @@
+"""Measure the kernel's tile height on the machine at hand.
+
+The default `block_rows` is a heuristic per backend (`pallas_triton.py`,
+`pallas_mosaic_tpu.py`, `backend.rows_for_tiles`): enough sorted tiles that
+rows of similar counts share a tile. What is fastest also depends on the
+block, its widths and the accelerator, so `tune_block_rows` times the
+candidates on the caller's own workload and says which won. It measures; it
+never changes a default behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, NamedTuple
+
+import jax
+
+from pallas_loop import api
+from pallas_loop import validation
+
+
+class TuneResult(NamedTuple):
+  """What `tune_block_rows` measured.
+
+  Attributes:
+    best: the fastest `block_rows`.
+    seconds: block_rows -> median seconds of one forward call, for the
+      candidates that ran.
+    rejected: block_rows -> why the kernel could not run with it (the
+      backend's block rules, e.g. Triton's dots need >= 16 rows).
+  """
+
+  best: int
+  seconds: dict[int, float]
+  rejected: dict[int, str]
+
+
+def default_candidates(batch: int) -> tuple[int, ...]:
+  """Powers of two from 8 up to min(256, the batch rounded up to one).
+
+  Example:
+    >>> default_candidates(100)
+    (8, 16, 32, 64, 128)
+  """
+  top = min(256, max(8, 1 << max(0, (batch - 1).bit_length())))
+  return tuple(1 << k for k in range(3, top.bit_length()))
+
+
+def tune_block_rows(step, params, h0, x=None, *, iters, max_iters: int,
+                    candidates=None, repeats: int = 5, **iterate_kwargs: Any) -> TuneResult:
+  """Times `iterate(implementation="pallas", block_rows=R)` for each candidate R.
+
+  Each candidate is compiled once (`jax.jit`), run once to warm up, then
+  timed `repeats` times; the median is kept. Candidates the kernel cannot run
+  on this backend are reported in `rejected`, not silently skipped. Only the
+  forward pass is timed; outputs do not depend on `block_rows` (tested), so
+  any candidate is safe to use.
+
+  Args:
+    step, params, h0, x, iters, max_iters: as for `pallas_loop.iterate`
+      (the workload to tune on; `iters` should look like the real counts).
+    candidates: tile heights to try (default `default_candidates(B)`).
+    repeats: timed calls per candidate (>= 1).
+    **iterate_kwargs: further `iterate` options (tol, halt, key, interpret,
+      sort_rows, ...), except implementation and block_rows.
+
+  Returns:
+    A `TuneResult`.
+
+  Raises:
+    ValueError: bad `candidates`/`repeats`, `implementation`/`block_rows`
+      in `iterate_kwargs`, or no candidate could run (with each reason).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> step = lambda p, h, x: jnp.tanh(h @ p)
+    >>> r = tune_block_rows(step, jnp.eye(8), jnp.ones((64, 8)), max_iters=4,
+    ...                     iters=jnp.arange(64) % 5, candidates=(8, 16),
+    ...                     interpret=True)
+    >>> r.best in (8, 16)
+    True
+  """
+  for name in ("implementation", "block_rows"):
+    if name in iterate_kwargs:
+      raise ValueError(f"tune_block_rows sets `{name}` itself; do not pass it")
+  if not isinstance(repeats, int) or repeats < 1:
+    raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+  batch = validation.batch_size(h0, x)
+  candidates = default_candidates(batch) if candidates is None else tuple(candidates)
+  if not candidates or any(not isinstance(c, int) or c < 1 for c in candidates):
+    raise ValueError(f"candidates must be positive ints, got {candidates!r}")
+  seconds, rejected = {}, {}
+  for rows in candidates:
+    fn = jax.jit(lambda p, h, x_, n, rows=rows: api.iterate(
+        step, p, h, x_, iters=n, max_iters=max_iters, implementation="pallas",
+        block_rows=rows, **iterate_kwargs))
+    try:
+      jax.block_until_ready(fn(params, h0, x, iters))  # compiles
+    except ValueError as e:  # the kernel's block rules for this backend
+      rejected[rows] = str(e)
+      continue
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(params, h0, x, iters))
+      times.append(time.perf_counter() - start)
+    seconds[rows] = statistics.median(times)
+  if not seconds:
+    reasons = "\n".join(f"  block_rows={r}: {why}" for r, why in rejected.items())
+    raise ValueError(f"no block_rows candidate could run:\n{reasons}")
+  return TuneResult(best=min(seconds, key=seconds.get), seconds=seconds, rejected=rejected)

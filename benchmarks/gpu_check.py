@@ -12,7 +12,7 @@
    forward+backward on the recurrent-depth counts), a transformer block (XLA
    path); prints the table (ratios within this run, medians, work
    efficiency, useful GFLOP/s) and writes JSON (and a PNG with --plot).
-3. Times the kernel at block_rows 16 / 32 / 64 (`pallas_loop.tuning`) on the
+3. Times the kernel at block_rows 16 / 32 / 64 (`benchmarks/tiles.py`) on
    recurrent-depth counts, to check the default tile heuristic.
 Exits non-zero on any mismatch.
 """
@@ -34,27 +34,8 @@ from benchmarks import cases
 from benchmarks import grad_modes
 from benchmarks import harness
 from benchmarks import plot
+from benchmarks import tiles
 from pallas_loop import rows
-from pallas_loop import tuning
-
-
-def tile_sweep(smoke: bool, repeats: int) -> list[dict]:
-  """Forward time per block_rows on recurrent-depth counts, one row per block."""
-  batch, d, candidates = (64, 16, (8, 16)) if smoke else (4096, 128, (16, 32, 64))
-  out = []
-  for block in ("tanh_rnn", "residual_mlp"):
-    step, params, h0, x = blocks.make(block, batch, d, jnp.bfloat16, jax.random.key(5))
-    n = jnp.asarray(harness.count_distribution("recurrent_depth", batch, 128, 5))
-    r = tuning.tune_block_rows(step, params, h0, x, iters=n, max_iters=128,
-                               candidates=candidates, repeats=repeats)
-    default = harness.pallas_block_rows(batch)
-    times = "  ".join(f"{k}: {v * 1e3:.3f} ms" for k, v in sorted(r.seconds.items()))
-    print(f"block_rows sweep {block} B={batch} D={d} bf16 recurrent-depth: {times}; "
-          f"best {r.best}, default {default}"
-          + (f"; rejected {sorted(r.rejected)}" if r.rejected else ""))
-    out.append(dict(block=block, batch=batch, d=d, seconds=r.seconds, best=r.best,
-                    default=default, rejected=r.rejected))
-  return out
 
 
 def check_gradients(case: harness.Case) -> float:
@@ -107,13 +88,14 @@ def main(argv=None) -> int:
                                  cases=grad_cases)
   grad_modes.print_table(grad_rows)
   bad += [f"{r['impl']} gradient {r['case']}" for r in grad_rows if not r["ok"]]
-  tiles = tile_sweep(args.smoke, 1 if args.smoke else args.repeats)
+  tile_rows = (tiles.sweep(64, 16, jnp.bfloat16, (8, 16), 1) if args.smoke else
+               tiles.sweep(4096, 128, jnp.bfloat16, (16, 32, 64), args.repeats))
   if args.plot and plot.have_matplotlib():
     plot.speedup_plot(results, args.plot, f"{device.device_kind}, JAX {jax.__version__}")
   payload = dict(jax=jax.__version__, device=device.device_kind,
                  backend=jax.default_backend(), seconds=time.time() - start,
                  results=results, gradient_max_errors=grad_errors, grad_modes=grad_rows,
-                 block_rows_sweep=tiles)
+                 block_rows_sweep=tile_rows)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(payload, f, indent=1)

@@ -122,3 +122,15 @@ def test_row_cost_probe_runs(capsys):
   assert row_cost.main(["--block", "tanh_rnn", "--batch", "32", "--d", "16", "--steps", "2",
                         "--repeats", "1"]) == 0
   assert "S=   32" in capsys.readouterr().out
+  assert row_cost.main(["--block", "tanh_rnn", "--batch", "32", "--d", "16", "--steps", "2",
+                        "--repeats", "1", "--bound"]) == 0
+  out = capsys.readouterr().out
+  assert "uniform" in out and "recurrent_depth" in out and "of the ideal at most" in out
+
+
+def test_prefix_schedule_bound():
+  from benchmarks import row_cost
+  # Trip 0 runs 2 rows, trip 1 one row: c(2) + min(c(1), c(2)).
+  assert row_cost.prefix_schedule_bound(np.array([2, 1]), {1: 1.0, 2: 1.5}) == 2.5
+  # A cheaper larger step is used for fewer rows (c is not monotone on a CPU).
+  assert row_cost.prefix_schedule_bound(np.array([3, 1, 1]), {1: 5.0, 2: 4.0, 3: 6.0}) == 14.0

@@ -1,0 +1,63 @@
+"""Kernel time per tile height (`block_rows`), to check the default heuristic.
+
+    python -m benchmarks.tiles                    # the CPU target cases, interpret mode
+    python -m benchmarks.tiles --gpu              # B=4096, D=128, bf16 (gpu_check runs this)
+
+Runs `pallas_loop.tuning.tune_block_rows` on recurrent-depth and uniform
+counts and prints, per case, the median forward time at each candidate, the
+fastest and the backend's default. On CPU the kernel runs in interpret mode,
+so these times say how the interpreter's per-program cost trades against
+sorted-tile work efficiency, not how a compiled kernel behaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import blocks
+from benchmarks import cases
+from benchmarks import harness
+from pallas_loop import tuning
+
+
+def sweep(batch: int, d: int, dtype, candidates, repeats: int,
+          distributions=("recurrent_depth",)) -> list[dict]:
+  """One row per (block, distribution): seconds per block_rows, best, default."""
+  out = []
+  for block in ("tanh_rnn", "residual_mlp"):
+    step, params, h0, x = blocks.make(block, batch, d, dtype, jax.random.key(5))
+    for counts in distributions:
+      t_max = cases.DEFAULT_MAX_ITERS[counts]
+      n = jnp.asarray(cases.count_distribution(counts, batch, t_max, 5))
+      r = tuning.tune_block_rows(step, params, h0, x, iters=n, max_iters=t_max,
+                                 candidates=candidates, repeats=repeats)
+      default = harness.pallas_block_rows(batch)
+      times = "  ".join(f"{k}: {v * 1e3:.3f} ms" for k, v in sorted(r.seconds.items()))
+      print(f"block_rows {block} B={batch} D={d} {jnp.dtype(dtype).name} {counts}: {times}; "
+            f"best {r.best}, default {default}"
+            + (f"; rejected {sorted(r.rejected)}" if r.rejected else ""))
+      out.append(dict(block=block, batch=batch, d=d, counts=counts, seconds=r.seconds,
+                      best=r.best, default=default, rejected=r.rejected))
+  return out
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--gpu", action="store_true", help="B=4096, D=128, bf16, 16/32/64 rows")
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args(argv)
+  print(f"JAX {jax.__version__}, {jax.devices()[0].device_kind}")
+  if args.gpu:
+    sweep(4096, 128, jnp.bfloat16, (16, 32, 64), args.repeats)
+  else:
+    sweep(1024, 64, jnp.float32, (8, 16, 32, 64), args.repeats,
+          distributions=("uniform", "recurrent_depth"))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

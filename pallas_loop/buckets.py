@@ -160,6 +160,16 @@ def _count(flags: jax.Array) -> jax.Array:
   return jnp.sum(flags.astype(jnp.int32))
 
 
+def _runs_more_than(s: _Rows, t, until: int, halting) -> jax.Array:
+  """bool scalar: more than `until` rows of `s` run at trip t."""
+  if halting is None:
+    # Rows ordered by descending count, and row r runs at trip t iff
+    # t < count[r]: more than `until` rows run iff the (until+1)-th largest
+    # count exceeds t. Read, not counted: no reduction per trip.
+    return s.counts[until, 0] > t
+  return _count(_running(s, t)) > until
+
+
 def _compact(s: _Rows, t) -> _Rows:
   """Stably moves the rows still running at trip t to the front."""
   not_running = jnp.logical_not(_running(s, t))[:, 0].astype(jnp.int32)
@@ -177,16 +187,15 @@ def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: in
   size = s.counts.shape[0]
 
   def step(carry):
-    t, _, s = carry
+    t, s = carry
     running = _running(s, t)
     # Each row's step index is the trip counter (a running row has applied
     # t steps); its batch index travels with it (random keys depend on both).
     h_new, flag = body(params, s.h, s.x, jnp.broadcast_to(t, (size, 1)), s.rows)
     s = masking.apply_update(s, running, t, h_new, flag, halting, elems_per_row, residual)
-    return t + 1, _count(_running(s, t + 1)), s
+    return t + 1, s
 
-  live = _count(_running(s, t))
-  t, _, s = lax.while_loop(lambda c: c[1] > until, step, (t, live, s))
+  t, s = lax.while_loop(lambda c: _runs_more_than(c[1], c[0], until, halting), step, (t, s))
   if halting is not None and until > 0:
     # Halted rows may sit anywhere in the stage: bring the running ones (at
     # most `until` of them) to the front for the next, smaller stage. Without
@@ -236,13 +245,19 @@ def forward(body, params, h0, x, counts, row_ids, halting, residual=True):
     def stage(t, s, size=size, until=until):
       t, sub = _run_stage(body, params, _prefix(s, size), t, until, halting, elems,
                           residual)
+      if halting is None:
+        # Only the state and its statistics changed (no compaction): writing
+        # back x and the row bookkeeping too would copy them for nothing.
+        changed = ("h", "residual", "steps", "halted")
+        return t, s._replace(**_put_prefix({f: getattr(s, f) for f in changed},
+                                           {f: getattr(sub, f) for f in changed}))
       return t, _put_prefix(s, sub)
 
     # A stage with nothing to do (its rows finished in a larger bucket, or
     # the counts jump past it) is skipped whole: its slices and the work XLA
     # hoists out of its loop (e.g. x @ U of an RNN cell) then cost nothing.
-    live = _count(_running(_prefix(s, size), t))
-    t, s = lax.cond(live > until, stage, lambda t, s: (t, s), t, s)
+    t, s = lax.cond(_runs_more_than(_prefix(s, size), t, until, halting), stage,
+                    lambda t, s: (t, s), t, s)
   inverse = rows_lib.inverse_permutation(s.order[:, 0])
   h, residual, steps, halted = rows_lib.take_rows(
       (s.h, s.residual[:, 0], s.steps[:, 0], s.halted[:, 0]), inverse)

@@ -43,6 +43,24 @@ from pallas_loop import pallas_mosaic_tpu
 from pallas_loop import pallas_triton
 
 
+# Dense bf16 tensor-core peak (TFLOP/s) from the vendor's data sheet, not measured:
+# the denominator of "of peak" (useful FLOPs / time / peak) on a GPU. Matched
+# against `device_kind` by substring.
+BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def peak_tflops(device_kind: str, dtype: str) -> float | None:
+  """The data-sheet bf16 tensor-core peak for a known GPU, else None.
+
+  Example:
+    >>> peak_tflops("NVIDIA H200", "bfloat16"), peak_tflops("cpu", "bfloat16")
+    (989.0, None)
+  """
+  if dtype != "bfloat16":
+    return None
+  return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in device_kind), None)
+
+
 def vmap_while(step, params, h0, x, *, iters, max_iters, tol=None):
   """jax.vmap of a per-row while_loop: the other baseline users reach for.
 
@@ -225,6 +243,8 @@ def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0) -> list[di
                                   if "vmap_while" in base else None)
     r["fraction_of_ideal"] = r["speedup_vs_masked_scan"] / ideal
     r["gflops"] = r["useful_gflop"] / r["seconds"]
+    peak = peak_tflops(jax.devices()[0].device_kind, case.dtype)
+    r["fraction_of_peak"] = None if peak is None else r["gflops"] / (peak * 1e3)
   return results
 
 
@@ -248,4 +268,6 @@ def print_table(results: list[dict]) -> None:
           f"{r['speedup_vs_masked_scan']:7.2f}x {vs_vmap} "
           f"{r['ideal_speedup']:5.2f}x {r['fraction_of_ideal']:8.2f} "
           f"{r['work_efficiency']:8.3f} {r['gflops']:8.2f} "
-          f"{r['max_error']:9.2e}{'' if r['ok'] else '  MISMATCH'}")
+          f"{r['max_error']:9.2e}{'' if r['ok'] else '  MISMATCH'}"
+          + (f"  {r['fraction_of_peak']:.3f} of bf16 peak"
+             if r.get("fraction_of_peak") is not None else ""))

@@ -134,3 +134,11 @@ def test_prefix_schedule_bound():
   assert row_cost.prefix_schedule_bound(np.array([2, 1]), {1: 1.0, 2: 1.5}) == 2.5
   # A cheaper larger step is used for fewer rows (c is not monotone on a CPU).
   assert row_cost.prefix_schedule_bound(np.array([3, 1, 1]), {1: 5.0, 2: 4.0, 3: 6.0}) == 14.0
+
+
+def test_fraction_of_peak_only_where_the_peak_is_known():
+  assert harness.peak_tflops("NVIDIA H200", "bfloat16") == 989.0
+  assert harness.peak_tflops("NVIDIA H200", "float32") is None
+  assert harness.peak_tflops("cpu", "bfloat16") is None
+  rows = harness.run_case(cases.Case("tanh_rnn", 16, 16, 4, "uniform"), ["xla"], repeats=1)
+  assert all(r["fraction_of_peak"] is None for r in rows)  # CPU: no data-sheet peak

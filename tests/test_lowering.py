@@ -131,3 +131,18 @@ def test_compiled_pallas_on_cpu_says_what_to_do():
                                             implementation="pallas", interpret=False))
   with pytest.raises(ValueError, match="interpret=True"):
     f(h0)
+
+
+@pytest.mark.parametrize("block", ["tanh_rnn", "gru", "residual_mlp"])
+@pytest.mark.parametrize("d", [128, 256])
+def test_gpu_suite_shapes_lower_with_the_default_tile(block, d):
+  """The H200 suite's shapes (B=4096, bf16) take the Triton kernel at the default tile.
+
+  So `benchmarks/gpu_check.py` times the kernel, not a fallback, when a GPU is lent.
+  """
+  step, params, h0, x = blocks.make(block, 4096, d, jnp.bfloat16)
+  n = jnp.arange(4096, dtype=jnp.int32) % 9
+  f = _compiled(step, implementation="pallas", interpret=False)
+  for fn in (f, _fwd_bwd(f)):
+    text = lowering.export_text(fn, params, h0, x, n, platform="cuda")
+    assert lowering.kernel_marker("cuda") in text and dispatch.KERNEL_NAME in text

@@ -1,4 +1,6 @@
-"""The XLA implementation's row skipping: run the step only on the running rows.
+"""The XLA implementation: `lax.while_loop`s that run the step only on running rows.
+
+The default on CPU and the fallback elsewhere (`dispatch.py`).
 
 Legend (shapes in comments):
   B: rows of the batch    S: rows of the current bucket (a static size <= B)

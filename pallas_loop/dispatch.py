@@ -23,12 +23,12 @@ from jax.interpreters import batching
 from jax.interpreters import mlir
 
 from pallas_loop import backend as backend_lib
+from pallas_loop import buckets
 from pallas_loop import bwd_kernel
 from pallas_loop import kernel
 from pallas_loop import pallas_mosaic_tpu
 from pallas_loop import pallas_triton
 from pallas_loop import vjp_window
-from pallas_loop import xla
 
 KERNEL_NAME = "pallas_loop_iterate_fwd"
 
@@ -155,7 +155,7 @@ def _per_platform(what, plan, run_kernel, run_xla, *, implementation, interpret)
 def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows, residual=True):
   """The forward `f(params, consts, h0, x, counts, row_ids, halting) -> outputs`.
 
-  Outputs are (h, residual, steps, halted), see `xla.forward`; `row_ids`
+  Outputs are (h, residual, steps, halted), see `buckets.forward`; `row_ids`
   (int32 [B]) are the rows' indices in the caller's batch (random keys).
 
   Args:
@@ -169,7 +169,7 @@ def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows, res
 
   def run_xla(params, consts, h0, x, counts, row_ids, halting):
     body = lambda p, h, x_, t, rows: step_fn(p, consts, h, x_, t, rows)
-    return xla.forward(body, params, h0, x, counts, row_ids, halting, residual)
+    return buckets.forward(body, params, h0, x, counts, row_ids, halting, residual)
 
   def plan(backend, params, consts, h0, x, counts, row_ids, halting):
     return kernel.plan(backend, step_fn, params, consts, h0, x, block_rows)

@@ -109,9 +109,10 @@ def test_flax_stateful_module_closed_over_raises():
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
-def test_flax_example_trains(impl, capsys):
-  _nnx()
-  assert _load_example("flax_block").main(["--quick", "--implementation", impl]) == 0
+@pytest.mark.parametrize("example,library", [("flax_block", _nnx), ("equinox_block", _eqx)])
+def test_module_example_trains(example, library, impl, capsys):
+  library()
+  assert _load_example(example).main(["--quick", "--implementation", impl]) == 0
   out = capsys.readouterr().out
   assert "max |grad - reference grad|" in out and "OK" in out
 
@@ -151,14 +152,6 @@ def test_equinox_closed_over_module_is_differentiated(impl):
   want = eqx.filter_grad(loss(reference.iterate, {}))(cell)
   oracle.assert_trees_close(got, want, what="gradient w.r.t. a closed-over module")
   assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(got))
-
-
-@pytest.mark.parametrize("impl", list(IMPLS))
-def test_equinox_example_trains(impl, capsys):
-  _eqx()
-  assert _load_example("equinox_block").main(["--quick", "--implementation", impl]) == 0
-  out = capsys.readouterr().out
-  assert "max |grad - reference grad|" in out and "OK" in out
 
 
 # ---------------------------------------------------------------- plain closures

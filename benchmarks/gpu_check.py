@@ -89,7 +89,7 @@ def main(argv=None) -> int:
   grad_modes.print_table(grad_rows)
   bad += [f"{r['impl']} gradient {r['case']}" for r in grad_rows if not r["ok"]]
   tile_rows = (tiles.sweep(64, 16, jnp.bfloat16, (8, 16), 1) if args.smoke else
-               tiles.sweep(4096, 128, jnp.bfloat16, (16, 32, 64), args.repeats))
+               tiles.gpu_sweep(args.repeats))
   if args.plot and plot.have_matplotlib():
     plot.speedup_plot(results, args.plot, f"{device.device_kind}, JAX {jax.__version__}")
   payload = dict(jax=jax.__version__, device=device.device_kind,

@@ -41,6 +41,7 @@ from pallas_loop import backend as backend_lib
 from pallas_loop import buckets
 from pallas_loop import pallas_mosaic_tpu
 from pallas_loop import pallas_triton
+from pallas_loop import tuning
 
 
 # Dense bf16 tensor-core peak (TFLOP/s) from the vendor's data sheet, not measured:
@@ -98,15 +99,8 @@ Case = cases.Case
 count_distribution = cases.count_distribution
 
 
-def median_seconds(fn, *args, repeats: int = 5) -> float:
-  """Median wall time of `fn(*args)` (already compiled), blocking on results."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+# One timing routine for the library's tuner and the benchmarks.
+median_seconds = tuning.median_seconds
 
 
 def max_error(got, want) -> float:

@@ -57,12 +57,10 @@ def prefix_schedule_bound(counts, cost: dict[int, float]) -> float:
   return float(sum(best[int((counts > t).sum())] for t in range(int(counts.max(initial=0)))))
 
 
-def _bound(step, params, h0, x, args) -> None:
+def _bound(step, params, h0, x, bare, args) -> None:
   batch = args.batch
   grid = sorted({s for s in range(batch // 16, batch + 1, max(1, batch // 16))}
                 | {s for s in (16, 32, 64) if s < batch} | {batch})
-  bare = jax.jit(lambda h, x_: jax.lax.fori_loop(0, args.steps,
-                                                 lambda i, h: step(params, h, x_), h))
   cost = {s: harness.median_seconds(bare, h0[:s], x[:s], repeats=args.repeats) / args.steps
           for s in grid}
   print("bare step cost c(S), us: " + "  ".join(f"{s}:{c * 1e6:.1f}" for s, c in cost.items()))
@@ -92,13 +90,14 @@ def main(argv=None) -> int:
                                     jax.random.key(0))
   print(f"{args.block} D={args.d}, {args.steps} steps, JAX {jax.__version__}, "
         f"{jax.devices()[0].device_kind}; microseconds per row-step")
+  # `steps` steps of the bare block: no masking, no buckets.
+  bare = jax.jit(lambda h, x_: jax.lax.fori_loop(0, args.steps,
+                                                 lambda i, h: step(params, h, x_), h))
   if args.bound:
-    _bound(step, params, h0, x, args)
+    _bound(step, params, h0, x, bare, args)
     return 0
   run = jax.jit(lambda n: pallas_loop.iterate(step, params, h0, x, iters=n,
                                               max_iters=args.steps, implementation="xla"))
-  bare = jax.jit(lambda h, x_: jax.lax.fori_loop(0, args.steps,
-                                                 lambda i, h: step(params, h, x_), h))
   sizes = [s for s in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if s <= args.batch]
   for s in sizes:
     n = jnp.asarray(np.where(np.arange(args.batch) < s, args.steps, 0), jnp.int32)

@@ -45,6 +45,11 @@ def sweep(batch: int, d: int, dtype, candidates, repeats: int,
   return out
 
 
+def gpu_sweep(repeats: int) -> list[dict]:
+  """The H200 sweep: B=4096, D=128, bf16, block_rows 16 / 32 / 64."""
+  return sweep(4096, 128, jnp.bfloat16, (16, 32, 64), repeats)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--gpu", action="store_true", help="B=4096, D=128, bf16, 16/32/64 rows")
@@ -52,7 +57,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   print(f"JAX {jax.__version__}, {jax.devices()[0].device_kind}")
   if args.gpu:
-    sweep(4096, 128, jnp.bfloat16, (16, 32, 64), args.repeats)
+    gpu_sweep(args.repeats)
   else:
     sweep(1024, 64, jnp.float32, (8, 16, 32, 64), args.repeats,
           distributions=("uniform", "recurrent_depth"))

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 
 from pallas_loop import api
+from pallas_loop import backend as backend_lib
 from pallas_loop import validation
 
 
@@ -43,8 +44,35 @@ def default_candidates(batch: int) -> tuple[int, ...]:
     >>> default_candidates(100)
     (8, 16, 32, 64, 128)
   """
-  top = min(256, max(8, 1 << max(0, (batch - 1).bit_length())))
+  top = min(256, max(8, backend_lib.next_power_of_2(batch)))
   return tuple(1 << k for k in range(3, top.bit_length()))
+
+
+def median_seconds(fn, *args, repeats: int = 5, warmup: bool = True) -> float:
+  """Median wall time of `fn(*args)`, blocking on its results.
+
+  Args:
+    fn: a callable (typically jitted) returning arrays.
+    *args: its arguments.
+    repeats: timed calls (>= 1).
+    warmup: make one untimed call first (compilation); False when the
+      caller has just made it.
+
+  Returns:
+    Seconds.
+
+  Example:
+    >>> median_seconds(jax.jit(lambda a: a + 1), 1.0, repeats=3) > 0
+    True
+  """
+  if warmup:
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
 
 
 def tune_block_rows(step, params, h0, x=None, *, iters, max_iters: int,
@@ -100,12 +128,7 @@ def tune_block_rows(step, params, h0, x=None, *, iters, max_iters: int,
     except ValueError as e:  # the kernel's block rules for this backend
       rejected[rows] = str(e)
       continue
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(fn(params, h0, x, iters))
-      times.append(time.perf_counter() - start)
-    seconds[rows] = statistics.median(times)
+    seconds[rows] = median_seconds(fn, params, h0, x, iters, repeats=repeats, warmup=False)
   if not seconds:
     reasons = "\n".join(f"  block_rows={r}: {why}" for r, why in rejected.items())
     raise ValueError(f"no block_rows candidate could run:\n{reasons}")

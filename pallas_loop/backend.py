@@ -12,7 +12,33 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
+import jax
 from jax.extend import core as jex_core
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """How one kernel runs on a backend, chosen by the backend's rule.
+
+  Attributes:
+    block_rows: rows per tile.
+    shared_on_chip: True: the shared operands (params, the step's constants)
+      are loaded once per program and held on chip across steps; False: each
+      use in a step re-reads its operand (from L1/L2 on a GPU), so only one
+      dot's operands need to be on chip at a time.
+    compiler_params: the `pallas_call` compiler params.
+    prefer_xla: why the XLA implementation is expected to be faster (a
+      modelled, not a hard, limit: `implementation=None` then falls back,
+      `"pallas"` still runs the kernel); None when the kernel is preferred.
+    estimate: the rule's resource estimate, e.g. {"shared_memory_bytes": ...},
+      shown by the compile report next to what the compiler took.
+  """
+
+  block_rows: int
+  shared_on_chip: bool = True
+  compiler_params: Any = None
+  prefer_xla: str | None = None
+  estimate: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +48,7 @@ class Block:
   what: str                  # e.g. "h['c']" or "params[0]": named in errors
   block_shape: tuple[int, ...]
   array_shape: tuple[int, ...]
+  row_axis: int | None = 0   # the axis block_rows sizes (None: none does)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +60,10 @@ class Backend:
     platforms: the lowering platforms it compiles for (empty: interpret).
     default_block_rows: B -> rows per tile when the caller gives none.
     block_problems: blocks -> a message per violated block rule.
-    compiler_params: block_rows -> backend compiler params (or None).
+    configure: (footprint, block_rows_given) -> (KernelConfig or None,
+      problems): the kernel's configuration for a `footprint.Footprint`, or
+      why none fits. `block_rows_given` says whether the caller chose the
+      tile height (the rule may then not change it).
     lowering_rules: () -> the primitives its lowering supports, or None when
       the table cannot be read in this JAX version (no pre-check then).
     extra_problems: specialized jaxpr -> further messages (e.g. dot sizes).
@@ -44,7 +74,7 @@ class Backend:
   platforms: tuple[str, ...]
   default_block_rows: Callable[[int], int]
   block_problems: Callable[[Sequence[Block]], list[str]]
-  compiler_params: Callable[[int], Any]
+  configure: Callable[[Any, bool], tuple[KernelConfig | None, list[str]]]
   lowering_rules: Callable[[], Any] = lambda: None
   extra_problems: Callable[[Any], list[str]] = lambda jaxpr: []
   interpret: Any = False
@@ -67,6 +97,23 @@ def unsupported_primitive_problems(backend: Backend, jaxpr) -> list[str]:
                     if e.primitive not in rules})
   return [f"step uses the primitive `{name}`, which the Pallas {backend.name} "
           "lowering does not support" for name in missing]
+
+
+def device_kind(platform: str) -> str | None:
+  """The device kind being compiled for, when it is known while tracing.
+
+  From the abstract mesh (deviceless compilation and export set one: see
+  `jax.sharding.use_abstract_mesh` / `jax.set_mesh`), else from the local
+  devices if they are of `platform` ("gpu" or "tpu"); None otherwise.
+  """
+  abstract = jax.sharding.get_abstract_mesh().abstract_device
+  if abstract is not None:
+    return abstract.device_kind if abstract.platform == platform else None
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:
+    return None
+  return device.device_kind if device.platform == platform else None
 
 
 def next_power_of_2(n: int) -> int:
@@ -117,7 +164,7 @@ INTERPRET = Backend(
     platforms=(),
     default_block_rows=_interpret_block_rows,
     block_problems=lambda blocks: [],
-    compiler_params=lambda block_rows: None,
+    configure=lambda fp, given: (KernelConfig(fp.block_rows), []),
     interpret=True,
 )
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_loop import backend as backend_lib
+from pallas_loop import footprint as footprint_lib
 from pallas_loop import jaxpr_eval
 from pallas_loop import kernel
 from pallas_loop import rows as rows_lib
@@ -57,32 +58,35 @@ class RefBuffer:
 
 
 class RefSum:
-  """float32 sums in refs, one per leaf of the summed pytree (None: skipped).
-
-  `add` takes the values as a flat list aligned with the refs (as
-  `_float_vjp` returns them), None where a leaf has no gradient.
-  """
+  """float32 sums in refs, one per leaf of the summed pytree (None: skipped)."""
 
   def __init__(self, refs):
     self.refs = refs
 
-  def add(self, values) -> RefSum:
-    for r, v in zip(self.refs, values, strict=True):
-      if r is not None:
+  def sinks(self, offset: int = 0) -> dict:
+    """{flat output index: add(value)} for `jaxpr_eval.call_with_matched_dots`."""
+    def add(r):
+      def sink(v):
         r[...] += v.astype(jnp.float32).reshape(r.shape)
-    return self
+      return sink
+    return {offset + i: add(r) for i, r in enumerate(self.refs) if r is not None}
 
 
-for _cls in (RefBuffer, RefSum):
-  tree_util.register_pytree_node(_cls, lambda s: ((), s), lambda s, _: s)
+tree_util.register_pytree_node(RefBuffer, lambda s: ((), s), lambda s, _: s)
+tree_util.register_pytree_node(RefSum, lambda s: ((), s), lambda s, _: s)
 
 
-def _float_vjp(step, shared, h, x, t, rows, ct):
+def _float_vjp(step, shared, h, x, t, rows, ct, acc_shared: RefSum, acc_x: RefSum):
   """The step's VJP w.r.t. the float leaves only, with single-dtype dots
-  (`jaxpr_eval.py`: Triton rejects mixed-dtype dots).
+  (`jaxpr_eval.py`: Triton rejects mixed-dtype dots), each shared-operand and
+  input gradient added to its ref where it is computed.
 
-  Returns (d_shared, d_h, d_x) with d_shared and d_x flat lists, one entry
-  per leaf of `shared` / `x` (None for integer leaves), for `RefSum`.
+  Adding each gradient as soon as it exists, rather than after the whole VJP,
+  keeps one [D, D] float32 weight gradient live at a time instead of all of
+  them (a GRU's six at D=128 would take 384 KB of registers / shared memory).
+
+  Returns:
+    (d_h, acc_shared, acc_x) as `vjp_window.step_vjp`.
   """
   leaves, tree = tree_util.tree_flatten((shared, x))
   is_f = [vjp_window.is_float(a) for a in leaves]
@@ -94,14 +98,15 @@ def _float_vjp(step, shared, h, x, t, rows, ct):
     return step(shared_, h_, x_, t, rows)
 
   def vjp_of(floats, h_, ct_):
-    return jax.vjp(f, floats, h_)[1](ct_)
+    d_floats, d_h = jax.vjp(f, floats, h_)[1](ct_)
+    return d_h, d_floats
 
+  # Flat outputs: d_h's leaves, then one per float leaf of (shared, x).
   floats = [a for a, f_ in zip(leaves, is_f) if f_]
-  d_floats, d_h = jaxpr_eval.call_with_matched_dots(vjp_of, floats, h, ct)
-  it = iter(d_floats)
-  d_all = [next(it) if f_ else None for f_ in is_f]
-  n_shared = len(tree_util.tree_leaves(shared))
-  return d_all[:n_shared], d_h, d_all[n_shared:]
+  float_refs = [r for r, f_ in zip(acc_shared.refs + acc_x.refs, is_f) if f_]
+  sinks = RefSum(float_refs).sinks(offset=len(tree_util.tree_leaves(h)))
+  d_h, _ = jaxpr_eval.call_with_matched_dots(vjp_of, floats, h, ct, sinks=sinks)
+  return d_h, acc_shared, acc_x
 
 
 def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):
@@ -137,7 +142,8 @@ def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):
   for r in g_x_refs + g_shared_refs:
     if r is not None:
       r[...] = jnp.zeros(r.shape, r.dtype)
-  shared_values = [r[...].reshape(s) for r, s in zip(shared_refs, wp.shared_shapes)]
+  shared_values = kernel.shared_loader(shared_refs, wp.shared_shapes,
+                                       wp.config.shared_on_chip)
   n_params = params_tree.num_leaves
   shared = (tree_util.tree_unflatten(params_tree, shared_values[:n_params]),
             shared_values[n_params:])
@@ -162,8 +168,10 @@ class WindowPlan:
   """The backward kernel on one backend, or why it cannot run.
 
   Attributes:
-    tile: the forward's `kernel.TilePlan` (block_rows, rows, traced step,
-      backend).
+    tile: the forward's `kernel.TilePlan` at this kernel's tile height
+      (rows, traced step, backend, the step operands' block rules).
+    config: the backend's configuration of this kernel (None: none fits).
+    footprint: what one program holds on chip (the step and its VJP).
     every: checkpoint interval C; slots: (S, C) buffer sizes (powers of 2).
     shared_shapes: true shapes of params leaves then the traced constants.
     shared_float/x_float: which of those (and of x's leaves) get gradients.
@@ -171,6 +179,8 @@ class WindowPlan:
   """
 
   tile: kernel.TilePlan
+  config: backend_lib.KernelConfig | None
+  footprint: footprint_lib.Footprint | None
   every: int
   slots: tuple[int, int]
   shared_shapes: tuple
@@ -191,8 +201,15 @@ def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
     bound: static bound on the window length; every: checkpoint interval.
   """
   every = every or vjp_window.default_every(bound)
-  tile = kernel.plan(backend, step_fn, params, consts, h, x, block_rows)
-  tb, padded = tile.block_rows, tile.rows
+  batch = tree_util.tree_leaves(h)[0].shape[0]
+  return kernel.configured(backend, batch, block_rows, lambda tb: _plan_at(
+      backend, step_fn, params, consts, h, x, tb, given=block_rows is not None,
+      bound=bound, every=every))
+
+
+def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every):
+  tile = kernel.plan(backend, step_fn, params, consts, h, x, tb)
+  padded = tile.rows
   slots = (backend_lib.next_power_of_2(vjp_window.checkpoint_slots(bound, every)),
            backend_lib.next_power_of_2(every))
   shared = list(tree_util.tree_leaves(params)) + list(tile.traced.const_values)
@@ -201,10 +218,10 @@ def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
     for path, a in tree_util.tree_flatten_with_path(h)[0]:
       blocks.append(backend_lib.Block(
           f"{name} of h{tree_util.keystr(path)}", (size, tb) + a.shape[1:],
-          (size, padded) + a.shape[1:]))
+          (size, padded) + a.shape[1:], row_axis=1))
   for i, a in enumerate(shared):
     blocks.append(backend_lib.Block(f"per-tile gradient #{i}", (1,) + kernel.shared_2d(a),
-                                    (padded // tb,) + kernel.shared_2d(a)))
+                                    (padded // tb,) + kernel.shared_2d(a), row_axis=None))
 
   def vjp_of_step(shared, h, x, t, rows, g):
     params, consts = shared
@@ -220,12 +237,26 @@ def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
   problems = (list(tile.problems) + backend.block_problems(blocks)
               + backend_lib.unsupported_primitive_problems(backend, jaxpr)
               + backend.extra_problems(jaxpr))
+  shared_avals = [jax.ShapeDtypeStruct(kernel.shared_2d(a), jnp.result_type(a)) for a in shared]
+  h_tiles, x_tiles = tree_util.tree_leaves(avals(h)), tree_util.tree_leaves(avals(x))
+  h_tiles_batch = tree_util.tree_leaves(h)[0].shape[0]
+  # Row blocks: h, x, g in; g_h, g_x out; 3 int columns; the checkpoint and
+  # segment buffers; a float32 per-tile gradient per shared operand.
+  row_blocks = (3 * h_tiles + x_tiles + h_tiles
+                + [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in x_tiles]
+                + [column] * 3
+                + [jax.ShapeDtypeStruct((size,) + a.shape, a.dtype)
+                   for size in slots for a in h_tiles]
+                + [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in shared_avals])
+  fp = footprint_lib.measure([(jaxpr, len(shared))], batch=h_tiles_batch, block_rows=tb,
+                             shared_avals=shared_avals, row_block_avals=row_blocks)
+  config, config_problems = backend.configure(fp, given)
   return WindowPlan(
-      tile=tile, every=every, slots=slots,
+      tile=tile, config=config, footprint=fp, every=every, slots=slots,
       shared_shapes=tuple(np.shape(a) for a in shared),
       shared_float=tuple(vjp_window.is_float(a) for a in shared),
       x_float=tuple(vjp_window.is_float(a) for a in tree_util.tree_leaves(x)),
-      problems=tuple(dict.fromkeys(problems)))
+      problems=tuple(dict.fromkeys(problems + config_problems)))
 
 
 def run(wp: WindowPlan, params, consts, h_start, x, t0, n, row_ids, g, *, sort_rows: bool):
@@ -287,7 +318,7 @@ def run(wp: WindowPlan, params, consts, h_start, x, t0, n, row_ids, g, *, sort_r
       out_specs=[*map(rows_of, g_h_out + g_x_out), *map(tile_spec, g_shared_out),
                  *map(slot_spec, scratch)],
       out_shape=[*g_h_out, *g_x_out, *g_shared_out, *scratch],
-      compiler_params=tile.backend.compiler_params(tb),
+      compiler_params=wp.config.compiler_params,
       interpret=tile.backend.interpret,
       name=KERNEL_NAME,
   )(*columns, *shared, *h_leaves, *x_leaves, *g_leaves)

@@ -108,7 +108,8 @@ def _per_platform(what, plan, run_kernel, run_xla, *, implementation, interpret)
 
   Args:
     what: "forward" or "backward", for messages.
-    plan: plan(backend, *operands) -> an object with `.problems`.
+    plan: plan(backend, *operands) -> an object with `.problems` and
+      `.config` (a `backend.KernelConfig` or None).
     run_kernel: run_kernel(plan, *operands) -> outputs.
     run_xla: run_xla(*operands) -> outputs (the same avals).
     implementation, interpret: the caller's options (see `iterate`).
@@ -117,9 +118,16 @@ def _per_platform(what, plan, run_kernel, run_xla, *, implementation, interpret)
   def on(backend, *, fallback):
     def branch(*operands):
       p = plan(backend, *operands)
-      if not p.problems:
+      slower = None if p.config is None else p.config.prefer_xla
+      if not p.problems and not (fallback and slower):
         return run_kernel(p, *operands)
-      message = _problem_message(what, backend, p.problems, fallback)
+      if p.problems:
+        message = _problem_message(what, backend, p.problems, fallback)
+      else:
+        message = (f"pallas_loop.iterate: the Pallas {backend.name} {what} kernel is "
+                   f"expected to be slower than the XLA implementation here ({slower}); "
+                   "using the XLA implementation. Pass implementation='pallas' to run "
+                   "the kernel anyway, or implementation='xla' to silence this warning.")
       if not backend.platforms:  # interpret mode runs everywhere: fail now
         raise ValueError(message)
       if fallback:

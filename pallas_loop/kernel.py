@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_loop import backend as backend_lib
+from pallas_loop import footprint as footprint_lib
+from pallas_loop import jaxpr_eval
 from pallas_loop import masking
 from pallas_loop import rows as rows_lib
 from pallas_loop import step_fn as step_fn_lib
@@ -57,12 +59,10 @@ def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_r
   h_out_refs = [next(it) for _ in range(n_h)]
   residual_ref, steps_ref, halted_ref = next(it), next(it), next(it)
 
-  def load(ref, shape):
-    return ref[...].reshape(shape)
-
+  on_chip = spec.config.shared_on_chip
   params = tree_util.tree_unflatten(
-      params_tree, [load(r, s) for r, s in zip(params_refs, spec.param_shapes)])
-  consts = [load(r, s) for r, s in zip(const_refs, spec.const_shapes)]
+      params_tree, shared_loader(params_refs, spec.param_shapes, on_chip))
+  consts = shared_loader(const_refs, spec.const_shapes, on_chip)
   x = tree_util.tree_unflatten(x_tree, [r[...] for r in x_refs])
   h = tree_util.tree_unflatten(h_tree, [r[...] for r in h_refs])
   body = lambda p, h, x, t, rows: spec.traced.apply(consts, p, h, x, t, rows, match_dots=True)
@@ -85,6 +85,8 @@ class TilePlan:
     rows: the batch padded to whole tiles.
     traced: the step traced at the tile's shapes.
     param_shapes/const_shapes: true shapes of the shared operands.
+    config: the backend's configuration (None when no configuration fits).
+    footprint: what one program holds on chip (`footprint.Footprint`).
     problems: violated backend rules; empty when the kernel can run.
   """
 
@@ -94,6 +96,8 @@ class TilePlan:
   traced: step_fn_lib.SpecializedStep
   param_shapes: tuple
   const_shapes: tuple
+  config: backend_lib.KernelConfig | None
+  footprint: footprint_lib.Footprint | None
   problems: tuple[str, ...]
 
 
@@ -103,8 +107,11 @@ def _tile_avals(tree, block_rows):
 
 
 def shared_2d(a) -> tuple[int, ...]:
-  """The shape a shared operand travels in: 0-d operands as [1, 1]."""
-  return (1, 1) if np.ndim(a) == 0 else tuple(np.shape(a))
+  """The shape a shared operand travels in: at least 2-D ([1, 1] for 0-d,
+  [1, N] for 1-D), so that its per-tile gradient block [1, ...] keeps the
+  operand's last two dimensions whole, as Mosaic requires."""
+  shape = tuple(np.shape(a))
+  return (1,) * (2 - len(shape)) + shape if len(shape) < 2 else shape
 
 
 def shared_operands(params_leaves, const_values) -> list:
@@ -123,10 +130,43 @@ def full_spec(a) -> pl.BlockSpec:
   return pl.BlockSpec(a.shape, lambda i: (0,) * len(a.shape))
 
 
+def shared_loader(refs, shapes, on_chip: bool) -> list:
+  """The shared operands as the step sees them inside a kernel.
+
+  `on_chip`: loaded now, once (held across the loop); else a
+  `jaxpr_eval.LoadOnUse` per operand, read where each use needs it.
+  """
+  if on_chip:
+    return [r[...].reshape(s) for r, s in zip(refs, shapes)]
+  return [jaxpr_eval.LoadOnUse(r, s) for r, s in zip(refs, shapes)]
+
+
+def configured(backend, batch: int, block_rows, plan_at):
+  """Plans at the default (or given) tile height, then at the height the
+  backend's configuration rule asks for, if it asks for another.
+
+  Args:
+    backend: the backend.
+    batch: B.
+    block_rows: the caller's tile height, or None.
+    plan_at: plan_at(tb) -> a plan with `.config` and `.block_rows`.
+  """
+  tb = block_rows or backend.default_block_rows(batch)
+  p = plan_at(tb)
+  if block_rows is None and p.config is not None and p.config.block_rows != tb:
+    p = plan_at(p.config.block_rows)
+  return p
+
+
 def plan(backend, step_fn, params, consts, h0, x, block_rows=None) -> TilePlan:
   """Traces the step at the tile shape and checks the backend's rules."""
   batch = tree_util.tree_leaves(h0)[0].shape[0]
-  tb = block_rows or backend.default_block_rows(batch)
+  return configured(backend, batch, block_rows, lambda tb: _plan_at(
+      backend, step_fn, params, consts, h0, x, tb, given=block_rows is not None))
+
+
+def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given) -> TilePlan:
+  batch = tree_util.tree_leaves(h0)[0].shape[0]
   padded = -(-batch // tb) * tb
   traced = step_fn.specialize(params, consts, _tile_avals(h0, tb), _tile_avals(x, tb))
   blocks = [backend_lib.Block("iters", (tb, 1), (padded, 1)),
@@ -137,18 +177,28 @@ def plan(backend, step_fn, params, consts, h0, x, block_rows=None) -> TilePlan:
           f"{name}{tree_util.keystr(path)}", (tb,) + a.shape[1:], (padded,) + a.shape[1:]))
   for path, a in tree_util.tree_flatten_with_path(params)[0]:
     blocks.append(backend_lib.Block(f"params{tree_util.keystr(path)}",
-                                    shared_2d(a), shared_2d(a)))
+                                    shared_2d(a), shared_2d(a), row_axis=None))
   for i, c in enumerate(traced.const_values):
     blocks.append(backend_lib.Block(f"an array step closes over (#{i})",
-                                    shared_2d(c), shared_2d(c)))
+                                    shared_2d(c), shared_2d(c), row_axis=None))
   problems = (backend.block_problems(blocks)
               + backend_lib.unsupported_primitive_problems(backend, traced.jaxpr)
               + backend.extra_problems(traced.jaxpr))
+  shared = list(tree_util.tree_leaves(params)) + list(traced.const_values)
+  # Row blocks: h in and out, x, and four [TB, 1] columns (counts, rows, stats).
+  row_blocks = (2 * tree_util.tree_leaves(_tile_avals(h0, tb))
+                + tree_util.tree_leaves(_tile_avals(x, tb))
+                + [jax.ShapeDtypeStruct((tb, 1), np.int32)] * 5)
+  fp = footprint_lib.measure(
+      [(traced.jaxpr, len(tree_util.tree_leaves(params)))], batch=batch, block_rows=tb,
+      shared_avals=[jax.ShapeDtypeStruct(shared_2d(a), jnp.result_type(a)) for a in shared],
+      row_block_avals=row_blocks)
+  config, config_problems = backend.configure(fp, given)
   return TilePlan(
       backend=backend, block_rows=tb, rows=padded, traced=traced,
       param_shapes=tuple(np.shape(a) for a in tree_util.tree_leaves(params)),
       const_shapes=tuple(np.shape(c) for c in traced.const_values),
-      problems=tuple(problems))
+      config=config, footprint=fp, problems=tuple(problems + config_problems))
 
 
 def run(tile_plan: TilePlan, params, h0, x, counts, row_ids, halting, *, sort_rows: bool,
@@ -202,7 +252,7 @@ def run(tile_plan: TilePlan, params, h0, x, counts, row_ids, halting, *, sort_ro
                 *map(rows_of, h_leaves), *map(rows_of, x_leaves)],
       out_specs=[*map(rows_of, h_leaves), *map(rows_of, stats)],
       out_shape=[*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in h_leaves), *stats],
-      compiler_params=tile_plan.backend.compiler_params(tb),
+      compiler_params=tile_plan.config.compiler_params,
       interpret=tile_plan.backend.interpret,
       name=name,
   )(counts_col, index_col, *shared, *halting_ops, *h_leaves, *x_leaves)

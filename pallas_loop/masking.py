@@ -141,16 +141,25 @@ def run_loop(body, params, h, x, counts, rows, halting: Halting | None,
     The final `LoopState`.
   """
 
+  # "Any row still running" is reduced over the tile in the loop's condition,
+  # from the carried state, not in the body: XLA's Triton (JAX 0.11.2) rejects
+  # a while loop that carries a tile-wide reduction computed in its body next
+  # to a [R, D] state ("'arith.addi' op requires the same encoding for all
+  # operands and results", or a segfault), see benchmarks/RESULTS.md.
+  def running_rows(t, s):
+    return (t < counts) & (s.halted == 0)
+
+  def any_running(carry):
+    t, s = carry
+    return jnp.max(running_rows(t, s).astype(jnp.int32)) > 0
+
   def step(carry):
-    t, _, s = carry
-    running = (t < counts) & (s.halted == 0)
+    t, s = carry
+    running = running_rows(t, s)
     h_new, flag = body(params, s.h, x, jnp.broadcast_to(t, counts.shape), rows)
-    new = apply_update(s, running, t, h_new, flag, halting, elems_per_row, residual)
-    live = jnp.max(((t + 1 < counts) & (new.halted == 0)).astype(jnp.int32))
-    return t + 1, live, new
+    return t + 1, apply_update(s, running, t, h_new, flag, halting, elems_per_row, residual)
 
   init = LoopState(h, jnp.zeros(counts.shape, jnp.float32),
                    jnp.zeros(counts.shape, jnp.int32), jnp.zeros(counts.shape, jnp.int32))
-  live = jnp.max((counts > 0).astype(jnp.int32))
-  _, _, state = lax.while_loop(lambda c: c[1] > 0, step, (jnp.int32(0), live, init))
+  _, state = lax.while_loop(any_running, step, (jnp.int32(0), init))
   return state

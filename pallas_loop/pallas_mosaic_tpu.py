@@ -16,16 +16,21 @@ from pallas_loop import backend as backend_lib
 def _block_problems(blocks: Sequence[backend_lib.Block]) -> list[str]:
   problems = []
   for b in blocks:
-    for axis, unit in ((-1, 128), (-2, 8)):
-      if len(b.block_shape) < -axis:
+    rank = len(b.block_shape)
+    for axis, unit in ((rank - 1, 128), (rank - 2, 8)):
+      if axis < 0:
         continue
       blk, arr = b.block_shape[axis], b.array_shape[axis]
       if blk % unit and blk != arr:
+        if axis == b.row_axis:
+          advice = f"choose block_rows a multiple of {unit}"
+        else:
+          advice = (f"its axis {axis} is not the row axis, so block_rows cannot fix it: "
+                    "please report this as a pallas_loop bug")
         problems.append(
             f"Mosaic TPU needs the last two block dimensions divisible by "
             f"(8, 128) or equal to the array's; {b.what} has block shape "
-            f"{b.block_shape} (array {b.array_shape}): choose block_rows a "
-            f"multiple of {unit}")
+            f"{b.block_shape} (array {b.array_shape}): {advice}")
   return problems
 
 
@@ -45,11 +50,13 @@ def _lowering_rules():
     return None
 
 
-def _compiler_params(block_rows: int):
+def configure(fp, block_rows_given: bool):
+  """The Mosaic kernel's configuration for a footprint, or why none fits."""
+  del block_rows_given
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
-  del block_rows
   # Row tiles are independent: let Mosaic split them across TensorCores.
-  return pltpu.CompilerParams(dimension_semantics=("parallel",))
+  params = pltpu.CompilerParams(dimension_semantics=("parallel",))
+  return backend_lib.KernelConfig(block_rows=fp.block_rows, compiler_params=params), []
 
 
 def _default_block_rows(batch: int) -> int:
@@ -62,6 +69,6 @@ MOSAIC_TPU = backend_lib.Backend(
     platforms=("tpu",),
     default_block_rows=_default_block_rows,
     block_problems=_block_problems,
-    compiler_params=_compiler_params,
+    configure=configure,
     lowering_rules=_lowering_rules,
 )

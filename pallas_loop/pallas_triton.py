@@ -10,10 +10,12 @@ added beside it (the Pallas Triton backend is deprecated upstream from JAX
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 import warnings
 
 from pallas_loop import backend as backend_lib
+from pallas_loop import footprint as footprint_lib
 
 
 def _is_power_of_2(n: int) -> bool:
@@ -54,14 +56,136 @@ def _lowering_rules():
     return None
 
 
-def _compiler_params(block_rows: int):
+def _compiler_params(num_warps: int):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     from jax.experimental.pallas import triton as pl_triton  # pylint: disable=g-import-not-at-top
-  # One warp per 16 rows keeps the per-thread state small; a while loop whose
-  # body is a dependent chain gains nothing from software pipelining.
-  return pl_triton.CompilerParams(num_warps=max(1, min(8, block_rows // 16)),
-                                  num_stages=1)
+  # A while loop whose body is a dependent chain gains nothing from software
+  # pipelining (and stages would multiply the shared memory).
+  return pl_triton.CompilerParams(num_warps=num_warps, num_stages=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+  """What the configuration rule needs to know of a GPU.
+
+  shared_memory: the opt-in shared memory per block (bytes); the rest are
+  data-sheet figures used only by the cost model (`prefer_xla`).
+  """
+
+  shared_memory: int
+  bf16_flops: float      # dense tensor-core peak, FLOP/s (float32 dots: half)
+  hbm_bytes_per_s: float
+
+
+# By device-kind substring. Unknown NVIDIA GPUs get the smallest opt-in shared
+# memory of the sm_80+ parts (99 KB: sm_86/sm_89), so the rule stays safe.
+_GPUS = (
+    (("H100", "H200", "H800", "H20", "GH200"), Gpu(232448, 989e12, 4.8e12)),
+    (("B200", "B300", "GB200", "GB300"), Gpu(232448, 2250e12, 8.0e12)),
+    (("A100", "A800"), Gpu(166912, 312e12, 2.0e12)),
+)
+_UNKNOWN_GPU = Gpu(101376, 312e12, 1.0e12)
+
+# Cost-model assumptions (not measured: no GPU was lent to the session that
+# wrote them; `benchmarks/gpu_check.py` times both sides of the boundary):
+# L2 streams at twice HBM's bandwidth, and one trip of an XLA while loop costs
+# at least 10 us (its body's kernel launches and the loop predicate read back
+# by the host).
+L2_OVER_HBM = 2.0
+XLA_TRIP_SECONDS = 10e-6
+
+
+def gpu(device_kind: str | None) -> Gpu:
+  """The `Gpu` entry for a device kind (e.g. "NVIDIA H200")."""
+  for names, spec in _GPUS:
+    if device_kind and any(n in device_kind for n in names):
+      return spec
+  return _UNKNOWN_GPU
+
+
+def num_warps(fp: footprint_lib.Footprint) -> int:
+  """Warps per program: 8, or 4 for a small footprint.
+
+  A program's values are spread over its threads' registers (255 at most per
+  thread): a [16, 128] float32 tile takes 8 registers a thread with 8 warps,
+  16 with 4, and a staged [128, 128] bfloat16 weight 32 / 64. With 4 warps
+  the GRU and LSTM forward at D=128 spill, with 8 none do (compile report),
+  and 8 warps x 255 registers is what one H200 SM has (65,536). Footprints
+  whose largest dot operand is at most 8 KB ([64, 64] bfloat16) and whose
+  row values are at most [16, 64] float32 fit 4 warps without spilling.
+  """
+  largest = max([b for d in fp.dots for b in d.operand_bytes], default=0)
+  return 4 if largest <= 8192 and fp.largest_row_value_bytes <= 4096 else 8
+
+
+def shared_memory_estimate(fp: footprint_lib.Footprint, on_chip: bool) -> int:
+  """Bytes of shared memory a program takes, an upper bound (compile report).
+
+  Triton stages both operands of a dot in shared memory. Held on chip, every
+  shared dot operand stays staged for the whole loop, plus one row operand;
+  re-read where used, one dot's operands at a time. Layout conversions and
+  cross-warp reductions take up to two row values (float32) more.
+  """
+  scratch = 2 * fp.largest_row_value_bytes
+  if on_chip:
+    return fp.shared_dot_bytes() + fp.largest_row_operand_bytes() + scratch
+  return fp.largest_dot_bytes() + scratch
+
+
+def prefer_xla(fp: footprint_lib.Footprint, spec: Gpu) -> str | None:
+  """Why the XLA implementation should beat a kernel that re-reads its weights.
+
+  A program that re-reads its shared operands streams them from L2 on every
+  step: tiles x their bytes per step, for all tiles. The batched XLA step
+  reads them once and runs one large dot, but pays a loop trip per step.
+  Returns the reason when the first exceeds the second (modelled, see
+  `L2_OVER_HBM`, `XLA_TRIP_SECONDS`), else None.
+  """
+  reread = sum(b for d in fp.dots for b, s in zip(d.operand_bytes, (d.lhs_shared, d.rhs_shared))
+               if s)
+  kernel_s = fp.tiles * reread / (L2_OVER_HBM * spec.hbm_bytes_per_s)
+  batch_flops = fp.flops() * fp.tiles
+  xla_s = max(batch_flops / spec.bf16_flops,
+              (fp.shared_bytes + fp.batch * fp.row_bytes) / spec.hbm_bytes_per_s
+              ) + XLA_TRIP_SECONDS
+  if kernel_s <= xla_s:
+    return None
+  return (f"its {fp.tiles} tiles would re-read {reread:,} B of weights from L2 every step "
+          f"(modelled {kernel_s * 1e6:.1f} us a step against {xla_s * 1e6:.1f} us for the "
+          "batched XLA step): they do not fit in shared memory at once")
+
+
+def configure(fp: footprint_lib.Footprint, block_rows_given: bool):
+  """The Triton kernel's configuration for a footprint, or why none fits.
+
+  The rule (numbers from the compile report, `benchmarks/compile_check.py`):
+    1. Hold the shared operands on chip (loaded once per program, staged in
+       shared memory for the whole loop) when they fit the GPU's shared
+       memory (`shared_memory_estimate`).
+    2. Else re-read each where a step uses it, when one dot's operands fit;
+       `prefer_xla` then says whether the XLA implementation is expected to
+       be faster (`implementation=None` falls back, "pallas" runs it).
+    3. Else no configuration fits: a problem naming the dot.
+  Warps per program: `num_warps`.
+  """
+  del block_rows_given
+  spec = gpu(backend_lib.device_kind("gpu"))
+  warps = num_warps(fp)
+  for on_chip in (True, False):
+    smem = shared_memory_estimate(fp, on_chip)
+    if smem <= spec.shared_memory:
+      return backend_lib.KernelConfig(
+          block_rows=fp.block_rows, shared_on_chip=on_chip,
+          compiler_params=_compiler_params(warps),
+          prefer_xla=None if on_chip else prefer_xla(fp, spec),
+          estimate={"shared_memory_bytes": smem, "num_warps": warps}), []
+  big = max(fp.dots, key=lambda d: sum(d.operand_bytes))
+  return None, [
+      f"no kernel configuration fits the GPU's shared memory ({spec.shared_memory:,} B "
+      f"a program): the step's dot of {list(big.lhs)} x {list(big.rhs)} stages "
+      f"{sum(big.operand_bytes):,} B, {shared_memory_estimate(fp, False):,} B with "
+      "scratch; Triton cannot split a dot, so the XLA implementation runs it"]
 
 
 # Heuristic (not yet timed on a GPU: no device was lent to the sessions that
@@ -84,7 +208,7 @@ TRITON = backend_lib.Backend(
     platforms=("cuda", "rocm"),
     default_block_rows=_default_block_rows,
     block_problems=_block_problems,
-    compiler_params=_compiler_params,
+    configure=configure,
     lowering_rules=_lowering_rules,
     extra_problems=_dot_problems,
 )

@@ -35,6 +35,7 @@ from jax import lax
 from jax import tree_util
 import jax.numpy as jnp
 
+from pallas_loop import jaxpr_eval
 from pallas_loop import masking
 from pallas_loop import rows as rows_lib
 
@@ -53,7 +54,8 @@ def checkpoint_slots(window: int, every: int) -> int:
 
 
 def is_float(a) -> bool:
-  return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+  dtype = a.dtype if isinstance(a, jaxpr_eval.LoadOnUse) else jnp.result_type(a)
+  return jnp.issubdtype(dtype, jnp.inexact)
 
 
 def float32_zeros(tree):
@@ -120,10 +122,35 @@ class ArraySum:
     return cls(children[0])
 
 
-def step_vjp(step: Callable, shared, h, x, t, rows, ct):
-  """(d_shared, d_h, d_x): the VJP of `step` at (shared, h, x) for `ct`."""
+def step_vjp(step: Callable, shared, h, x, t, rows, ct, acc_shared, acc_x):
+  """The VJP of `step` at (shared, h, x) for `ct`, summed into the accumulators.
+
+  Returns:
+    (d_h, acc_shared + d_shared, acc_x + d_x).
+  """
   _, vjp = jax.vjp(lambda s_, h_, x_: step(s_, h_, x_, t, rows), shared, h, x)
-  return vjp(ct)
+  d_shared, d_h, d_x = vjp(ct)
+  return d_h, acc_shared.add(d_shared), acc_x.add(d_x)
+
+
+def _counted_loop(lo, hi, body, init):
+  """`lax.fori_loop(lo, hi, body, init)`, as a loop Triton does not hoist from.
+
+  Pallas' Triton lowering turns a `fori_loop` into `scf.for`, out of which
+  Triton hoists loop-invariant loads: every weight a step re-reads would then
+  be loaded once and held in shared memory for the whole loop (a GRU's
+  backward at D=128: 200 KB instead of one weight's 64 KB). A `while_loop`
+  whose condition closes over the bound is lowered to `scf.while`, from which
+  it does not hoist; XLA compiles both forms alike.
+  """
+  def cond(carry):
+    return carry[0] < hi
+
+  def step(carry):
+    i, value = carry
+    return i + 1, body(i, value)
+
+  return lax.while_loop(cond, step, (jnp.asarray(lo, jnp.int32), init))[1]
 
 
 def reverse_window(step: Callable, shared, h_start, x, t0, n, rows, g, *,
@@ -142,7 +169,9 @@ def reverse_window(step: Callable, shared, h_start, x, t0, n, rows, g, *,
       ceil(max(n) / C) states; seg: a buffer with at least C states.
     acc_shared, acc_x: accumulators (`add(tree) -> accumulator`) for the
       shared-operand and input gradients (float32).
-    vjp: vjp(step, shared, h, x, t, rows, ct) -> (d_shared, d_h, d_x).
+    vjp: vjp(step, shared, h, x, t, rows, ct, acc_shared, acc_x) -> (d_h,
+      acc_shared, acc_x): the step's VJP with its shared-operand and input
+      gradients added to the accumulators (`step_vjp`).
 
   Returns:
     (g_h_start, acc_shared, acc_x).
@@ -159,10 +188,10 @@ def reverse_window(step: Callable, shared, h_start, x, t0, n, rows, g, *,
   def checkpoint_segment(s, carry):
     h, ckpt = carry
     ckpt = ckpt.write(s, h)
-    h = lax.fori_loop(0, every, lambda j, h: advance(h, s * every + j), h)
+    h = _counted_loop(0, every, lambda j, h: advance(h, s * every + j), h)
     return h, ckpt
 
-  h_last, ckpt = lax.fori_loop(0, n_seg - 1, checkpoint_segment, (h_start, ckpt))
+  h_last, ckpt = _counted_loop(0, n_seg - 1, checkpoint_segment, (h_start, ckpt))
   ckpt = ckpt.write(jnp.maximum(n_seg - 1, 0), h_last)
 
   def reverse_segment(i, carry):
@@ -175,7 +204,7 @@ def reverse_window(step: Callable, shared, h_start, x, t0, n, rows, g, *,
       h, seg = c
       return advance(h, first + j), seg.write(j, h)
 
-    h, seg = lax.fori_loop(0, length - 1, recompute, (ckpt.read(s), seg))
+    h, seg = _counted_loop(0, length - 1, recompute, (ckpt.read(s), seg))
     seg = seg.write(length - 1, h)
 
     def back(jj, c):
@@ -184,14 +213,14 @@ def reverse_window(step: Callable, shared, h_start, x, t0, n, rows, g, *,
       w = first + j
       active = w < n
       masked = masking.select_rows(active, g, tree_util.tree_map(jnp.zeros_like, g))
-      d_shared, d_h, d_x = vjp(step, shared, seg.read(j), x, t0 + w, rows, masked)
-      g = masking.select_rows(active, d_h, g)
-      return g, acc_shared.add(d_shared), acc_x.add(d_x)
+      d_h, acc_shared, acc_x = vjp(step, shared, seg.read(j), x, t0 + w, rows, masked,
+                                   acc_shared, acc_x)
+      return masking.select_rows(active, d_h, g), acc_shared, acc_x
 
-    g, acc_shared, acc_x = lax.fori_loop(0, length, back, (g, acc_shared, acc_x))
+    g, acc_shared, acc_x = _counted_loop(0, length, back, (g, acc_shared, acc_x))
     return g, acc_shared, acc_x, seg
 
-  g, acc_shared, acc_x, _ = lax.fori_loop(
+  g, acc_shared, acc_x, _ = _counted_loop(
       0, n_seg, reverse_segment, (g, acc_shared, acc_x, seg))
   return g, acc_shared, acc_x
 

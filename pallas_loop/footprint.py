@@ -1,0 +1,177 @@
+"""What a kernel program holds on chip, read off the step's traced jaxpr.
+
+The backends' configuration rules (`pallas_triton.configure`,
+`pallas_mosaic_tpu.configure`) decide from this how many warps a program
+gets, whether the shared operands (params and the step's constants) stay on
+chip across steps or are re-read where each use needs them, and whether any
+configuration fits at all. Sizes are those the kernel really computes with:
+a dot's operands in the one dtype the kernel gives them (`jaxpr_eval.py`
+casts the narrower one to the wider).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from jax.extend import core as jex_core
+
+# Higher-order primitives whose body is an inlined call: operands map 1:1 to
+# the body's inputs, so provenance is followed through them.
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+          "remat", "checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dot:
+  """One `dot_general` of the kernel, at the tile's shapes.
+
+  Attributes:
+    lhs, rhs: operand shapes.
+    itemsizes: bytes per element of each operand as the kernel stages it: a
+      row operand in the dot's one dtype (`jaxpr_eval.py` casts the narrower
+      operand to the wider), a shared operand in its own dtype (measured:
+      Triton stages a loaded bfloat16 weight as bfloat16 and widens it after).
+    lhs_shared, rhs_shared: whether the operand is computed from the shared
+      operands alone (a weight, or a cast/transpose of one), not from rows.
+    flops: 2 * output elements * contracted size.
+  """
+
+  lhs: tuple[int, ...]
+  rhs: tuple[int, ...]
+  itemsizes: tuple[int, int]
+  lhs_shared: bool
+  rhs_shared: bool
+  flops: int
+
+  @property
+  def operand_bytes(self) -> tuple[int, int]:
+    return (math.prod(self.lhs) * self.itemsizes[0], math.prod(self.rhs) * self.itemsizes[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+  """The on-chip needs of one kernel program.
+
+  Attributes:
+    batch: B, the rows of the whole call.
+    block_rows: rows per tile.
+    dots: every dot of the step (and of its VJP, for the backward kernel).
+    largest_row_value_bytes: the largest [TB, ...] value the program
+      computes, counted as float32 (layout conversions and cross-warp
+      reductions stage such values in shared memory).
+    shared_bytes: bytes of all shared operands as stored.
+    block_bytes: bytes of every block one program reads or writes (its
+      tiles of the row operands plus the whole shared operands), once.
+    row_bytes: bytes one row's blocks take (what a batched XLA step reads
+      and writes per row).
+  """
+
+  batch: int
+  block_rows: int
+  dots: tuple[Dot, ...]
+  largest_row_value_bytes: int
+  shared_bytes: int
+  block_bytes: int
+  row_bytes: int
+
+  @property
+  def tiles(self) -> int:
+    return -(-self.batch // self.block_rows)
+
+  def flops(self) -> int:
+    """FLOPs of the dots of one tile-step."""
+    return sum(d.flops for d in self.dots)
+
+  def shared_dot_bytes(self) -> int:
+    """Bytes of the distinct shared dot operands: what holding them costs."""
+    return sum(b for d in self.dots for b, s in zip(d.operand_bytes, (d.lhs_shared, d.rhs_shared))
+               if s)
+
+  def largest_dot_bytes(self) -> int:
+    """Both operands of the largest dot: what staging one dot costs."""
+    return max((sum(d.operand_bytes) for d in self.dots), default=0)
+
+  def largest_row_operand_bytes(self) -> int:
+    """The largest dot operand computed from rows (staged per dot either way)."""
+    return max((b for d in self.dots for b, s in zip(d.operand_bytes, (d.lhs_shared, d.rhs_shared))
+                if not s), default=0)
+
+
+def _nbytes(aval) -> int:
+  return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+
+
+def _dot(eqn, shared: tuple[bool, bool]) -> Dot:
+  a, b = (v.aval for v in eqn.invars)
+  (lc, _), _ = eqn.params["dimension_numbers"]
+  sizes = [np.dtype(a.dtype).itemsize, np.dtype(b.dtype).itemsize]
+  wide = max(sizes)
+  staged = tuple(size if s else wide for size, s in zip(sizes, shared))
+  contracted = math.prod(a.shape[i] for i in lc)
+  return Dot(tuple(a.shape), tuple(b.shape), staged, shared[0], shared[1],
+             2 * math.prod(eqn.outvars[0].aval.shape) * contracted)
+
+
+def _walk(jaxpr, shared_in: list[bool], dots: list[Dot], largest: list[int],
+          rows: int) -> list[bool]:
+  """Records the dots of `jaxpr`; returns which outputs are shared-derived."""
+  shared = {}
+  for v, s in zip(jaxpr.invars, shared_in):
+    shared[v] = s
+  for v in jaxpr.constvars:
+    shared[v] = True
+
+  def is_shared(v):
+    return True if isinstance(v, jex_core.Literal) else shared.get(v, False)
+
+  for eqn in jaxpr.eqns:
+    ins = [is_shared(v) for v in eqn.invars]
+    for v in eqn.outvars:
+      shape = getattr(v.aval, "shape", ())
+      if shape and shape[0] == rows:
+        largest[0] = max(largest[0], math.prod(shape) * 4)
+    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if eqn.primitive.name in _CALLS and sub is not None:
+      sub = sub.jaxpr if isinstance(sub, jex_core.ClosedJaxpr) else sub
+      outs = _walk(sub, ins, dots, largest, rows)
+    else:
+      for sub_jaxpr in jex_core.jaxprs_in_params(eqn.params):
+        # A loop or branch inside the step: its operands' provenance is not
+        # followed; counting all of them as shared over-estimates what
+        # holding costs, never under-estimates it.
+        _walk(sub_jaxpr, [True] * len(sub_jaxpr.invars), dots, largest, rows)
+      if eqn.primitive.name == "dot_general":
+        dots.append(_dot(eqn, (ins[0], ins[1])))
+      outs = [all(ins)] * len(eqn.outvars)
+    for v, s in zip(eqn.outvars, outs):
+      shared[v] = s
+  return [is_shared(v) for v in jaxpr.outvars]
+
+
+def measure(jaxprs_and_shared, *, batch: int, block_rows: int, shared_avals,
+            row_block_avals) -> Footprint:
+  """The footprint of a program that runs the given jaxprs.
+
+  Args:
+    jaxprs_and_shared: (jaxpr, number of leading invars that are shared
+      operands) for each traced function the program runs; the jaxpr's
+      constvars count as shared.
+    batch: B.
+    block_rows: rows per tile.
+    shared_avals: avals (shape, dtype) of the shared operands.
+    row_block_avals: avals of the program's row blocks (inputs and outputs),
+      each with the tile's rows as its leading axis, or [S, TB, ...] buffers.
+  """
+  dots: list[Dot] = []
+  largest = [0]
+  for jaxpr, n_shared in jaxprs_and_shared:
+    _walk(jaxpr, [i < n_shared for i in range(len(jaxpr.invars))], dots, largest, block_rows)
+  shared_bytes = sum(_nbytes(a) for a in shared_avals)
+  row_block_bytes = sum(_nbytes(a) for a in row_block_avals)
+  return Footprint(
+      batch=batch, block_rows=block_rows, dots=tuple(dots),
+      largest_row_value_bytes=largest[0], shared_bytes=shared_bytes,
+      block_bytes=shared_bytes + row_block_bytes,
+      row_bytes=-(-row_block_bytes // block_rows))

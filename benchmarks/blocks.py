@@ -36,6 +36,20 @@ def residual_mlp(params, h, x):
   return (h.astype(jnp.float32) + _mm(hidden, w2) + x.astype(jnp.float32)).astype(h.dtype)
 
 
+def residual_mlp_ln(params, h, x):
+  """h <- h + relu(LN(h) W1) W2 + x, LN a layer norm with gain and bias [D].
+
+  Hidden F = 4 D. FLOPs per row-step: 16 D^2 (the norm is O(D)).
+  """
+  w1, w2, gain, bias = params
+  hf = h.astype(jnp.float32)
+  mu = jnp.mean(hf, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(hf - mu), axis=-1, keepdims=True)
+  normed = (hf - mu) * lax.rsqrt(var + 1e-5) * gain.astype(jnp.float32) + bias.astype(jnp.float32)
+  hidden = jnp.maximum(_mm(normed.astype(h.dtype), w1), 0.0).astype(h.dtype)
+  return (hf + _mm(hidden, w2) + x.astype(jnp.float32)).astype(h.dtype)
+
+
 def lstm(params, state, x):
   """An LSTM cell on the pytree state (h, c). FLOPs per row-step: 16 D^2."""
   (wi, wf, wo, wg), (ui, uf, uo, ug) = params
@@ -104,6 +118,7 @@ BLOCKS = {
     "tanh_rnn": Block("tanh_rnn", tanh_rnn, lambda d: 4 * d * d),
     "residual_mlp": Block("residual_mlp", residual_mlp, lambda d: 16 * d * d),
     "lstm": Block("lstm", lstm, lambda d: 16 * d * d),
+    "residual_mlp_ln": Block("residual_mlp_ln", residual_mlp_ln, lambda d: 16 * d * d),
     "deq": Block("deq", deq, lambda d: 4 * d * d),
     "gru": Block("gru", gru, lambda d: 12 * d * d),
     "transformer": Block("transformer", transformer,
@@ -127,6 +142,11 @@ def make(name: str, batch: int, d: int, dtype=jnp.float32, key=None):
   elif name == "residual_mlp":
     # Small residual branch: 64 steps stay O(1).
     params = (normal(keys[2], (d, 4 * d)), (0.05 * normal(keys[3], (4 * d, d))).astype(dtype))
+    x = (0.01 * x.astype(jnp.float32)).astype(dtype)
+  elif name == "residual_mlp_ln":
+    params = (normal(keys[2], (d, 4 * d)), (0.05 * normal(keys[3], (4 * d, d))).astype(dtype),
+              (1.0 + 0.1 * jax.random.normal(keys[4], (d,), jnp.float32)).astype(dtype),
+              (0.1 * jax.random.normal(keys[5], (d,), jnp.float32)).astype(dtype))
     x = (0.01 * x.astype(jnp.float32)).astype(dtype)
   elif name == "deq":
     # Per-row input scale spreads the convergence speed across rows.

@@ -15,6 +15,8 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.extend import core as jex_core
 
+from pallas_loop import jaxpr_eval
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
@@ -32,6 +34,7 @@ class KernelConfig:
       `"pallas"` still runs the kernel); None when the kernel is preferred.
     estimate: the rule's resource estimate, e.g. {"shared_memory_bytes": ...},
       shown by the compile report next to what the compiler took.
+    eval_rules: how the kernel evaluates the step (`jaxpr_eval.Rules`).
   """
 
   block_rows: int
@@ -39,6 +42,7 @@ class KernelConfig:
   compiler_params: Any = None
   prefer_xla: str | None = None
   estimate: dict = dataclasses.field(default_factory=dict, compare=False)
+  eval_rules: jaxpr_eval.Rules = jaxpr_eval.PLAIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +168,9 @@ INTERPRET = Backend(
     platforms=(),
     default_block_rows=_interpret_block_rows,
     block_problems=lambda blocks: [],
-    configure=lambda fp, given: (KernelConfig(fp.block_rows), []),
+    # The step is evaluated as the Triton kernel evaluates it, so that the
+    # CPU tests cover those rewrites (Mosaic's interpret mode: plain).
+    configure=lambda fp, given: (KernelConfig(fp.block_rows, eval_rules=jaxpr_eval.TRITON), []),
     interpret=True,
 )
 
@@ -173,6 +179,8 @@ def interpret_backend(interpret: Any) -> Backend:
   """The interpret backend for `interpret=True` or a `pltpu.InterpretParams`."""
   if interpret is True:
     return INTERPRET
-  return dataclasses.replace(INTERPRET, name="tpu-interpret", interpret=interpret)
+  return dataclasses.replace(
+      INTERPRET, name="tpu-interpret", interpret=interpret,
+      configure=lambda fp, given: (KernelConfig(fp.block_rows), []))
 
 

@@ -76,7 +76,8 @@ tree_util.register_pytree_node(RefBuffer, lambda s: ((), s), lambda s, _: s)
 tree_util.register_pytree_node(RefSum, lambda s: ((), s), lambda s, _: s)
 
 
-def _float_vjp(step, shared, h, x, t, rows, ct, acc_shared: RefSum, acc_x: RefSum):
+def _float_vjp(step, shared, h, x, t, rows, ct, acc_shared: RefSum, acc_x: RefSum, *,
+               rules: jaxpr_eval.Rules, plain_step):
   """The step's VJP w.r.t. the float leaves only, with single-dtype dots
   (`jaxpr_eval.py`: Triton rejects mixed-dtype dots), each shared-operand and
   input gradient added to its ref where it is computed.
@@ -85,17 +86,26 @@ def _float_vjp(step, shared, h, x, t, rows, ct, acc_shared: RefSum, acc_x: RefSu
   keeps one [D, D] float32 weight gradient live at a time instead of all of
   them (a GRU's six at D=128 would take 384 KB of registers / shared memory).
 
+  The VJP is traced from `plain_step` (the step evaluated as traced) and
+  the backend's rewrites (`rules`) are applied to the VJP's jaxpr: some of
+  them are exact but not differentiable (an integer-mask select would give
+  zero gradients), so they must not be differentiated.
+
   Returns:
     (d_h, acc_shared, acc_x) as `vjp_window.step_vjp`.
   """
+  del step  # the kernel's evaluation of it: `plain_step` is differentiated
   leaves, tree = tree_util.tree_flatten((shared, x))
   is_f = [vjp_window.is_float(a) for a in leaves]
+  # Integer operands (key data) are closed over by the traced VJP: load them.
+  leaves = [a.load() if isinstance(a, jaxpr_eval.LoadOnUse) and not f_ else a
+            for a, f_ in zip(leaves, is_f)]
 
   def f(floats, h_):
     it = iter(floats)
     shared_, x_ = tree_util.tree_unflatten(tree, [next(it) if f_ else a
                                                   for a, f_ in zip(leaves, is_f)])
-    return step(shared_, h_, x_, t, rows)
+    return plain_step(shared_, h_, x_, t, rows)
 
   def vjp_of(floats, h_, ct_):
     d_floats, d_h = jax.vjp(f, floats, h_)[1](ct_)
@@ -105,7 +115,7 @@ def _float_vjp(step, shared, h, x, t, rows, ct, acc_shared: RefSum, acc_x: RefSu
   floats = [a for a, f_ in zip(leaves, is_f) if f_]
   float_refs = [r for r, f_ in zip(acc_shared.refs + acc_x.refs, is_f) if f_]
   sinks = RefSum(float_refs).sinks(offset=len(tree_util.tree_leaves(h)))
-  d_h, _ = jaxpr_eval.call_with_matched_dots(vjp_of, floats, h, ct, sinks=sinks)
+  d_h, _ = jaxpr_eval.call_with_matched_dots(vjp_of, floats, h, ct, sinks=sinks, rules=rules)
   return d_h, acc_shared, acc_x
 
 
@@ -151,14 +161,16 @@ def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):
   h = tree_util.tree_unflatten(h_tree, [r[...] for r in h_refs])
   g = tree_util.tree_unflatten(h_tree, [r[...] for r in g_refs])
 
-  def step(shared, h, x, t, rows):
+  def step(shared, h, x, t, rows, rules=wp.config.eval_rules):
     params, consts = shared
-    return wp.tile.traced.apply(consts, params, h, x, t, rows, match_dots=True)[0]
+    return wp.tile.traced.apply(consts, params, h, x, t, rows, rules=rules)[0]
 
   g_h, _, _ = vjp_window.reverse_window(
       step, shared, h, x, t0_ref[...], n_ref[...], rows_ref[...], g, every=every,
       ckpt=RefBuffer(ckpt_refs, h_tree), seg=RefBuffer(seg_refs, h_tree),
-      acc_shared=RefSum(g_shared_refs), acc_x=RefSum(g_x_refs), vjp=_float_vjp)
+      acc_shared=RefSum(g_shared_refs), acc_x=RefSum(g_x_refs),
+      vjp=functools.partial(_float_vjp, rules=wp.config.eval_rules,
+                            plain_step=functools.partial(step, rules=None)))
   for r, leaf in zip(g_h_refs, tree_util.tree_leaves(g_h)):
     r[...] = leaf.astype(r.dtype)
 

@@ -13,6 +13,7 @@ it is lowered.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import jax
@@ -89,6 +90,31 @@ def warn_when_lowered(message: str, tree):
   return tree_util.tree_unflatten(treedef, _notice_p.bind(*leaves, message=message))
 
 
+# --- Observing the plans ---------------------------------------------------
+
+_observers: list = []
+
+
+@contextlib.contextmanager
+def observe_plans():
+  """Collects (what, backend name, plan) for every kernel planned inside.
+
+  For tools that report which configuration each kernel got (the compile
+  report, `benchmarks/compile_check.py`). Every platform's branch is traced,
+  so the plans of every backend appear, each once per trace.
+
+  Example:
+    >>> with observe_plans() as seen:
+    ...   _ = jax.jit(f).lower(x)  # doctest: +SKIP
+  """
+  seen: list = []
+  _observers.append(seen.append)
+  try:
+    yield seen
+  finally:
+    _observers.remove(seen.append)
+
+
 # --- Choosing per platform -------------------------------------------------
 
 
@@ -118,6 +144,8 @@ def _per_platform(what, plan, run_kernel, run_xla, *, implementation, interpret)
   def on(backend, *, fallback):
     def branch(*operands):
       p = plan(backend, *operands)
+      for observe in _observers:
+        observe((what, backend.name, p))
       slower = None if p.config is None else p.config.prefer_xla
       if not p.problems and not (fallback and slower):
         return run_kernel(p, *operands)

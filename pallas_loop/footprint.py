@@ -17,6 +17,8 @@ import math
 import numpy as np
 from jax.extend import core as jex_core
 
+from pallas_loop import jaxpr_eval
+
 # Higher-order primitives whose body is an inlined call: operands map 1:1 to
 # the body's inputs, so provenance is followed through them.
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
@@ -44,10 +46,21 @@ class Dot:
   lhs_shared: bool
   rhs_shared: bool
   flops: int
+  split_axis: int | None = None  # rhs is a shared operand itself, contracted on this axis
+  wide_itemsize: int = 4
 
   @property
   def operand_bytes(self) -> tuple[int, int]:
     return (math.prod(self.lhs) * self.itemsizes[0], math.prod(self.rhs) * self.itemsizes[1])
+
+  def staged_bytes(self, split_budget: int | None) -> int:
+    """Both operands as staged when the weight is re-read: in K chunks where
+    the kernel splits the dot (`jaxpr_eval.split_parts`), else whole."""
+    if self.split_axis is None or len(self.rhs) != 2:
+      return sum(self.operand_bytes)
+    k, n = self.rhs[self.split_axis], self.rhs[1 - self.split_axis]
+    parts = jaxpr_eval.split_parts(k, n, self.wide_itemsize, split_budget)
+    return sum(self.operand_bytes) // parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +102,10 @@ class Footprint:
     return sum(b for d in self.dots for b, s in zip(d.operand_bytes, (d.lhs_shared, d.rhs_shared))
                if s)
 
-  def largest_dot_bytes(self) -> int:
-    """Both operands of the largest dot: what staging one dot costs."""
-    return max((sum(d.operand_bytes) for d in self.dots), default=0)
+  def largest_dot_bytes(self, split_budget: int | None = None) -> int:
+    """Both operands of the largest dot: what staging one dot costs (re-read
+    weights split into chunks of `split_budget` bytes, see `Dot`)."""
+    return max((d.staged_bytes(split_budget) for d in self.dots), default=0)
 
   def largest_row_operand_bytes(self) -> int:
     """The largest dot operand computed from rows (staged per dot either way)."""
@@ -103,25 +117,35 @@ def _nbytes(aval) -> int:
   return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
 
 
-def _dot(eqn, shared: tuple[bool, bool]) -> Dot:
+def _dot(eqn, shared: tuple[bool, bool], rhs_direct: bool) -> Dot:
   a, b = (v.aval for v in eqn.invars)
-  (lc, _), _ = eqn.params["dimension_numbers"]
+  (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
   sizes = [np.dtype(a.dtype).itemsize, np.dtype(b.dtype).itemsize]
   wide = max(sizes)
   staged = tuple(size if s else wide for size, s in zip(sizes, shared))
   contracted = math.prod(a.shape[i] for i in lc)
+  # Mirrors `jaxpr_eval._split_dot`: a 2-D row operand contracted on its last
+  # axis by a shared operand used as it is passed in (no cast or reshape).
+  splittable = (rhs_direct and not lb and tuple(lc) == (1,) and len(a.shape) == 2
+                and len(b.shape) == 2 and tuple(rc) in ((0,), (1,)))
   return Dot(tuple(a.shape), tuple(b.shape), staged, shared[0], shared[1],
-             2 * math.prod(eqn.outvars[0].aval.shape) * contracted)
+             2 * math.prod(eqn.outvars[0].aval.shape) * contracted,
+             split_axis=rc[0] if splittable else None, wide_itemsize=wide)
 
 
 def _walk(jaxpr, shared_in: list[bool], dots: list[Dot], largest: list[int],
-          rows: int) -> list[bool]:
-  """Records the dots of `jaxpr`; returns which outputs are shared-derived."""
+          rows: int, top: bool = False) -> list[bool]:
+  """Records the dots of `jaxpr`; returns which outputs are shared-derived.
+
+  `top`: the jaxpr the kernel evaluates, whose shared inputs stay refs read
+  where used (inside inlined calls they arrive loaded).
+  """
   shared = {}
   for v, s in zip(jaxpr.invars, shared_in):
     shared[v] = s
   for v in jaxpr.constvars:
     shared[v] = True
+  direct = {v for v, s in shared.items() if s} if top else set()
 
   def is_shared(v):
     return True if isinstance(v, jex_core.Literal) else shared.get(v, False)
@@ -143,7 +167,9 @@ def _walk(jaxpr, shared_in: list[bool], dots: list[Dot], largest: list[int],
         # holding costs, never under-estimates it.
         _walk(sub_jaxpr, [True] * len(sub_jaxpr.invars), dots, largest, rows)
       if eqn.primitive.name == "dot_general":
-        dots.append(_dot(eqn, (ins[0], ins[1])))
+        rhs = eqn.invars[1]
+        dots.append(_dot(eqn, (ins[0], ins[1]),
+                         not isinstance(rhs, jex_core.Literal) and rhs in direct))
       outs = [all(ins)] * len(eqn.outvars)
     for v, s in zip(eqn.outvars, outs):
       shared[v] = s
@@ -167,7 +193,8 @@ def measure(jaxprs_and_shared, *, batch: int, block_rows: int, shared_avals,
   dots: list[Dot] = []
   largest = [0]
   for jaxpr, n_shared in jaxprs_and_shared:
-    _walk(jaxpr, [i < n_shared for i in range(len(jaxpr.invars))], dots, largest, block_rows)
+    _walk(jaxpr, [i < n_shared for i in range(len(jaxpr.invars))], dots, largest, block_rows,
+          top=True)
   shared_bytes = sum(_nbytes(a) for a in shared_avals)
   row_block_bytes = sum(_nbytes(a) for a in row_block_avals)
   return Footprint(

@@ -12,12 +12,43 @@ inside them are seen too. The forward kernel evaluates the step this way too
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax import tree_util
 from jax.extend import core as jex_core
 import numpy as np
 
 _INLINED = ("jit", "pjit", "closed_call", "core_call")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+  """How a kernel evaluates a traced step: the rewrites its backend needs.
+
+  Each rewrite keeps the result (bit for bit, but for a dot's summation
+  order); they only change what the backend compiler is given.
+
+  Attributes:
+    swap_transposed_dots: compute `transpose(dot(a, b))` as `dot(b, a)`
+      (`_transposed_dots`); on by default for Triton, off for Mosaic, which
+      compiles a dot contracted on the lhs's first axis into a kernel that
+      needs 60 MB of VMEM (a GRU's backward at D=128).
+    fence_transposed_operands: `_transpose_fence` (Triton).
+    integer_mask_selects: `_bitwise_select` (Triton).
+    split_dot_bytes: split a dot by a re-read weight into K chunks of at
+      most this many bytes (`_split_dot`; Triton: 32 KB); None: never.
+  """
+
+  swap_transposed_dots: bool = False
+  fence_transposed_operands: bool = False
+  integer_mask_selects: bool = False
+  split_dot_bytes: int | None = None
+
+
+PLAIN = Rules()
+TRITON = Rules(swap_transposed_dots=True, fence_transposed_operands=True,
+               integer_mask_selects=True, split_dot_bytes=32768)
 
 
 class LoadOnUse:
@@ -30,7 +61,7 @@ class LoadOnUse:
     return self.ref[...].reshape(self.shape)
 
 
-def eval_jaxpr(jaxpr, consts, args, sinks=None):
+def eval_jaxpr(jaxpr, consts, args, sinks=None, rules: Rules = PLAIN):
   """Like `jax.core.eval_jaxpr(jaxpr, consts, *args)`, with matched dots.
 
   Args:
@@ -38,6 +69,7 @@ def eval_jaxpr(jaxpr, consts, args, sinks=None):
       hold `LoadOnUse` values.
     sinks: {output index: fn}: `fn(value)` is called as soon as that output
       is computed, and the output is returned as None (so it is not kept).
+    rules: the backend's rewrites (`Rules`).
   """
   env = {}
   pending = {}
@@ -58,20 +90,35 @@ def eval_jaxpr(jaxpr, consts, args, sinks=None):
     env[v] = a
   for v, a in zip(jaxpr.invars, args):
     env[v] = a
-  swapped = _transposed_dots(jaxpr)
+  swapped = _transposed_dots(jaxpr) if rules.swap_transposed_dots else {}
+  fence = rules.fence_transposed_operands
+  computed = set()  # vars computed here (not inputs): may need a transpose fence
   for i, eqn in enumerate(jaxpr.eqns):
+    computed.update(eqn.outvars)
     if id(eqn) in swapped.values():  # the transpose of a dot computed swapped
       env[eqn.outvars[0]] = env[eqn.invars[0]]
+      flush(eqn.outvars[0])
+      continue
+    split = (_split_dot(eqn, env, rules)
+             if eqn.primitive.name == "dot_general" and i not in swapped else None)
+    if split is not None:
+      env[eqn.outvars[0]] = split(read(eqn.invars[0]))
       flush(eqn.outvars[0])
       continue
     invals = [read(v) for v in eqn.invars]
     sub = eqn.params.get("jaxpr")
     if eqn.primitive.name in _INLINED and isinstance(sub, jex_core.ClosedJaxpr):
-      outs = eval_jaxpr(sub.jaxpr, sub.consts, invals)
+      outs = eval_jaxpr(sub.jaxpr, sub.consts, invals, rules=rules)
+    elif rules.integer_mask_selects and _is_masked_select(eqn):
+      outs = [_bitwise_select(*invals)]
     elif i in swapped:
+      if fence:
+        invals = _fenced(eqn, invals, [v in computed for v in eqn.invars], swapped=True)
       outs = [_swapped_dot(eqn, *_matched(invals))]
     else:
       if eqn.primitive.name == "dot_general":
+        if fence:
+          invals = _fenced(eqn, invals, [v in computed for v in eqn.invars])
         invals = _matched(invals)
       bind = eqn.primitive.get_bind_params(eqn.params)
       # (subfuns, params) before JAX 0.11, params from 0.11 on.
@@ -87,6 +134,60 @@ def eval_jaxpr(jaxpr, consts, args, sinks=None):
     flush(v)
   sunk = set(sinks or ())
   return [None if k in sunk else read(v) for k, v in enumerate(jaxpr.outvars)]
+
+
+def split_parts(k: int, n: int, itemsize: int, budget: int | None) -> int:
+  """Chunks of the contracted axis K for a [K, N] weight: the fewest (a power
+  of 2) whose chunk fits `budget` bytes, keeping chunks >= 16 wide (Triton's
+  smallest dot dimension); 1 means no split."""
+  parts = 1
+  while budget and k * n * itemsize // parts > budget and k // (2 * parts) >= 16:
+    parts *= 2
+  return parts
+
+
+def _split_dot(eqn, env, rules: Rules):
+  """`dot(x, w)` as a sum over chunks of K when `w` is re-read from a ref.
+
+  Returns a function of the row operand, or None where this does not apply.
+  Triton loads a weight through registers into shared memory whole: a
+  [512, 128] bfloat16 weight is 128 registers a thread (8 warps) in flight
+  and 128 KB staged. Read in K chunks, each dot stages one chunk
+  (`Rules.split_dot_bytes`), and the chunks' products are summed in the
+  dot's accumulator dtype.
+  """
+  if not rules.split_dot_bytes:
+    return None
+  x_var, w_var = eqn.invars
+  w = None if isinstance(w_var, jex_core.Literal) else env.get(w_var)
+  if not isinstance(w, LoadOnUse) or len(w.shape) != 2 or tuple(w.ref.shape) != w.shape:
+    return None
+  (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+  if lb or tuple(lc) != (1,) or tuple(rc) not in ((0,), (1,)) or len(x_var.aval.shape) != 2:
+    return None
+  axis = rc[0]  # the weight's contracted axis (1: used transposed)
+  k, n = w.shape[axis], w.shape[1 - axis]
+  itemsize = max(np.dtype(w.dtype).itemsize, np.dtype(x_var.aval.dtype).itemsize)
+  parts = split_parts(k, n, itemsize, rules.split_dot_bytes)
+  if parts == 1:
+    return None
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  chunk = k // parts
+  dims = (((1,), (axis,)), ((), ()))
+  preferred = eqn.params.get("preferred_element_type")
+
+  def run(x):
+    total = None
+    for c, piece in enumerate(jax.numpy.split(x, parts, axis=1)):
+      rows = pl.ds(c * chunk, chunk)
+      w_chunk = w.ref[rows, :] if axis == 0 else w.ref[:, rows]
+      a, b = _matched([piece, w_chunk])
+      with eqn.ctx.manager:
+        part = jax.lax.dot_general(a, b, dims, preferred_element_type=preferred)
+      total = part if total is None else total + part
+    return total
+
+  return run
 
 
 def _matched(invals):
@@ -128,6 +229,64 @@ def _transposed_dots(jaxpr) -> dict:
   return found
 
 
+_INT_OF_SIZE = {1: np.int8, 2: np.int16, 4: np.int32}
+
+
+def _is_masked_select(eqn) -> bool:
+  """A two-way `select_n` on a boolean array (a `jnp.where` on a mask)."""
+  if eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
+    return False
+  pred, case = eqn.invars[0].aval, eqn.invars[1].aval
+  return (pred.dtype == np.bool_ and len(pred.shape) >= 2 and case.dtype != np.bool_
+          and np.dtype(case.dtype).itemsize in _INT_OF_SIZE)
+
+
+def _bitwise_select(pred, if_false, if_true):
+  """`select_n(pred, if_false, if_true)` with an integer mask, bit for bit.
+
+  Triton stages a boolean array in shared memory when two of its uses need
+  different layouts (a dropout mask used on a dot's operand and on its
+  result), and rejects it there ("'ttg.local_alloc' op element type bit
+  width must be a multiple of 8"). As an all-ones/all-zeros integer mask the
+  same selection is legal, and exact for every value (NaN and inf included).
+  """
+  dtype = np.dtype(if_false.dtype)
+  as_int = _INT_OF_SIZE[dtype.itemsize]
+  bits = lambda a: a if np.dtype(a.dtype) == as_int else jax.lax.bitcast_convert_type(a, as_int)
+  mask = -(pred.astype(as_int))
+  out = (bits(if_true) & mask) | (bits(if_false) & ~mask)
+  return out if dtype == as_int else jax.lax.bitcast_convert_type(out, dtype)
+
+
+def _transpose_fence(x):
+  """`x`, through an identity XLA's Triton pipeline does not look through.
+
+  Triton transposes a dot operand that is contracted on the wrong axis, and
+  XLA's TritonXLAFoldTransposePass (JAX 0.11.2) pushes that transpose up
+  through every elementwise op above it, copying shared subexpressions: above
+  the hash RNG's rounds (`pallas_loop.random`) that takes exponential time and
+  the compile never ends. A sum over a new size-1 axis is an identity it
+  stops at (a dropout mask feeding a weight gradient then compiles in
+  seconds, see benchmarks/RESULTS.md).
+  """
+  return jax.numpy.sum(x.reshape(x.shape + (1,)), axis=-1)
+
+
+def _fenced(eqn, invals, computed, swapped: bool = False):
+  """Fences the 2-D dot operands Triton will transpose, if computed in the jaxpr."""
+  (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+  if lb or any(np.ndim(a) != 2 for a in invals):
+    return invals
+  # Triton wants [M, K] x [K, N]: an lhs contracted on axis 0, or an rhs on
+  # axis 1, is transposed. Swapped, the dot is dot_general(rhs, lhs, (rc, lc)).
+  if swapped:
+    transposed = (tuple(lc) == (1,), tuple(rc) == (0,))
+  else:
+    transposed = (tuple(lc) == (0,), tuple(rc) == (1,))
+  return [_transpose_fence(a) if t and c else a
+          for a, t, c in zip(invals, transposed, computed)]
+
+
 def _swapped_dot(eqn, lhs, rhs):
   """transpose(dot_general(lhs, rhs)) for a 2-D dot without batch axes."""
   (lc, rc), _ = eqn.params["dimension_numbers"]
@@ -140,13 +299,13 @@ def _swapped_dot(eqn, lhs, rhs):
         preferred_element_type=eqn.params.get("preferred_element_type"))
 
 
-def call_with_matched_dots(fn, *args, sinks=None):
+def call_with_matched_dots(fn, *args, sinks=None, rules: Rules = PLAIN):
   """`fn(*args)`, traced and re-evaluated with single-dtype dot operands.
 
   `sinks` ({flat output index: fn}, see `eval_jaxpr`) consume outputs as
-  they are computed; those outputs come back as None.
+  they are computed; those outputs come back as None. `rules`: see `Rules`.
   """
   avals = tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*avals)
-  outs = eval_jaxpr(closed.jaxpr, closed.consts, tree_util.tree_leaves(args), sinks)
+  outs = eval_jaxpr(closed.jaxpr, closed.consts, tree_util.tree_leaves(args), sinks, rules)
   return tree_util.tree_unflatten(tree_util.tree_structure(out_shape), outs)

@@ -65,7 +65,8 @@ def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_r
   consts = shared_loader(const_refs, spec.const_shapes, on_chip)
   x = tree_util.tree_unflatten(x_tree, [r[...] for r in x_refs])
   h = tree_util.tree_unflatten(h_tree, [r[...] for r in h_refs])
-  body = lambda p, h, x, t, rows: spec.traced.apply(consts, p, h, x, t, rows, match_dots=True)
+  rules = spec.config.eval_rules
+  body = lambda p, h, x, t, rows: spec.traced.apply(consts, p, h, x, t, rows, rules=rules)
   state = masking.run_loop(body, params, h, x, counts_ref[...], rows_ref[...], halting,
                            elems_per_row, residual)
   for ref, leaf in zip(h_out_refs, tree_util.tree_leaves(state.h)):

@@ -16,6 +16,7 @@ import warnings
 
 from pallas_loop import backend as backend_lib
 from pallas_loop import footprint as footprint_lib
+from pallas_loop import jaxpr_eval
 
 
 def _is_power_of_2(n: int) -> bool:
@@ -124,13 +125,14 @@ def shared_memory_estimate(fp: footprint_lib.Footprint, on_chip: bool) -> int:
 
   Triton stages both operands of a dot in shared memory. Held on chip, every
   shared dot operand stays staged for the whole loop, plus one row operand;
-  re-read where used, one dot's operands at a time. Layout conversions and
+  re-read where used, one dot's operands at a time, a re-read weight in K
+  chunks of at most `jaxpr_eval.TRITON.split_dot_bytes`. Layout conversions and
   cross-warp reductions take up to two row values (float32) more.
   """
   scratch = 2 * fp.largest_row_value_bytes
   if on_chip:
     return fp.shared_dot_bytes() + fp.largest_row_operand_bytes() + scratch
-  return fp.largest_dot_bytes() + scratch
+  return fp.largest_dot_bytes(jaxpr_eval.TRITON.split_dot_bytes) + scratch
 
 
 def prefer_xla(fp: footprint_lib.Footprint, spec: Gpu) -> str | None:
@@ -179,6 +181,7 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool):
           block_rows=fp.block_rows, shared_on_chip=on_chip,
           compiler_params=_compiler_params(warps),
           prefer_xla=None if on_chip else prefer_xla(fp, spec),
+          eval_rules=jaxpr_eval.TRITON,
           estimate={"shared_memory_bytes": smem, "num_warps": warps}), []
   big = max(fp.dots, key=lambda d: sum(d.operand_bytes))
   return None, [

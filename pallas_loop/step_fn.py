@@ -125,15 +125,16 @@ class SpecializedStep:
   out_tree: Any
   sources: tuple = ()
 
-  def apply(self, const_values, params, h, x, t, rows, *, match_dots=False):
+  def apply(self, const_values, params, h, x, t, rows, *, rules=None):
     """Evaluates the traced step; `const_values` may be loaded kernel refs.
 
-    `match_dots=True` (inside kernels) gives every dot operands of one dtype
-    (`jaxpr_eval.py`), which Triton requires.
+    `rules` (inside kernels: a `jaxpr_eval.Rules`) evaluates it with every
+    dot's operands in one dtype, which Triton requires, and the backend's
+    rewrites; None evaluates the jaxpr as it is.
     """
     flat = tree_util.tree_leaves((params, h, x, t, rows))
-    if match_dots:
-      out = jaxpr_eval.eval_jaxpr(self.jaxpr, list(const_values), flat)
+    if rules is not None:
+      out = jaxpr_eval.eval_jaxpr(self.jaxpr, list(const_values), flat, rules=rules)
     else:
       out = jax.core.eval_jaxpr(self.jaxpr, list(const_values), *flat)
     return tree_util.tree_unflatten(self.out_tree, out)

@@ -136,18 +136,14 @@ def test_compiled_pallas_on_cpu_says_what_to_do():
 @pytest.mark.parametrize("block", ["tanh_rnn", "gru", "residual_mlp"])
 @pytest.mark.parametrize("d", [128, 256])
 def test_gpu_suite_shapes_lower_with_the_default_tile(block, d):
-  """The H200 suite's shapes (B=4096, bf16) take the Triton kernel at the default tile,
-  except the residual MLP at D=256, whose [1024, 256] weight no kernel program can stage.
+  """The H200 suite's shapes (B=4096, bf16) take the Triton kernel at the default tile.
 
   So `benchmarks/gpu_check.py` times the kernel, not a fallback, when a GPU is lent.
+  (The residual MLP's [1024, 256] weight at D=256 fits only re-read in K chunks.)
   """
   step, params, h0, x = blocks.make(block, 4096, d, jnp.bfloat16)
   n = jnp.arange(4096, dtype=jnp.int32) % 9
   f = _compiled(step, implementation="pallas", interpret=False)
   for fn in (f, _fwd_bwd(f)):
-    if block == "residual_mlp" and d == 256:
-      with pytest.raises(ValueError, match=r"no kernel configuration fits the GPU's shared memory"):
-        lowering.export_text(fn, params, h0, x, n, platform="cuda")
-      continue
     text = lowering.export_text(fn, params, h0, x, n, platform="cuda")
     assert lowering.kernel_marker("cuda") in text and dispatch.KERNEL_NAME in text

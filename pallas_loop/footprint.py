@@ -48,6 +48,13 @@ class Dot:
   flops: int
   split_axis: int | None = None  # rhs is a shared operand itself, contracted on this axis
   wide_itemsize: int = 4
+  out: tuple[int, ...] = ()
+  contracts_rows: bool = False  # sums over the tile's rows: a weight gradient
+
+  @property
+  def accumulator_bytes(self) -> int:
+    """The output as the dot accumulates it (float32)."""
+    return math.prod(self.out) * 4
 
   @property
   def operand_bytes(self) -> tuple[int, int]:
@@ -79,6 +86,8 @@ class Footprint:
       tiles of the row operands plus the whole shared operands), once.
     row_bytes: bytes one row's blocks take (what a batched XLA step reads
       and writes per row).
+    blocks: (shape, dtype name) of every block one program reads or writes:
+      for backends that lay blocks out in padded tiles (Mosaic's VMEM).
   """
 
   batch: int
@@ -88,6 +97,7 @@ class Footprint:
   shared_bytes: int
   block_bytes: int
   row_bytes: int
+  blocks: tuple[tuple[tuple[int, ...], str], ...] = ()
 
   @property
   def tiles(self) -> int:
@@ -107,6 +117,11 @@ class Footprint:
     weights split into chunks of `split_budget` bytes, see `Dot`)."""
     return max((d.staged_bytes(split_budget) for d in self.dots), default=0)
 
+  def largest_gradient_accumulator_bytes(self) -> int:
+    """The largest output of a dot that sums over the tile's rows (a weight
+    gradient in the backward kernel), as a float32 accumulator; 0 if none."""
+    return max((d.accumulator_bytes for d in self.dots if d.contracts_rows), default=0)
+
   def largest_row_operand_bytes(self) -> int:
     """The largest dot operand computed from rows (staged per dot either way)."""
     return max((b for d in self.dots for b, s in zip(d.operand_bytes, (d.lhs_shared, d.rhs_shared))
@@ -117,7 +132,7 @@ def _nbytes(aval) -> int:
   return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
 
 
-def _dot(eqn, shared: tuple[bool, bool], rhs_direct: bool) -> Dot:
+def _dot(eqn, shared: tuple[bool, bool], rhs_direct: bool, rows: int) -> Dot:
   a, b = (v.aval for v in eqn.invars)
   (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
   sizes = [np.dtype(a.dtype).itemsize, np.dtype(b.dtype).itemsize]
@@ -128,9 +143,14 @@ def _dot(eqn, shared: tuple[bool, bool], rhs_direct: bool) -> Dot:
   # axis by a shared operand used as it is passed in (no cast or reshape).
   splittable = (rhs_direct and not lb and tuple(lc) == (1,) and len(a.shape) == 2
                 and len(b.shape) == 2 and tuple(rc) in ((0,), (1,)))
+  contracts_rows = any(
+      not s and len(x.shape) > 0 and x.shape[0] == rows and 0 in c
+      for x, s, c in ((a, shared[0], lc), (b, shared[1], rc)))
+  out = tuple(eqn.outvars[0].aval.shape)
   return Dot(tuple(a.shape), tuple(b.shape), staged, shared[0], shared[1],
-             2 * math.prod(eqn.outvars[0].aval.shape) * contracted,
-             split_axis=rc[0] if splittable else None, wide_itemsize=wide)
+             2 * math.prod(out) * contracted,
+             split_axis=rc[0] if splittable else None, wide_itemsize=wide,
+             out=out, contracts_rows=contracts_rows)
 
 
 def _walk(jaxpr, shared_in: list[bool], dots: list[Dot], largest: list[int],
@@ -169,7 +189,7 @@ def _walk(jaxpr, shared_in: list[bool], dots: list[Dot], largest: list[int],
       if eqn.primitive.name == "dot_general":
         rhs = eqn.invars[1]
         dots.append(_dot(eqn, (ins[0], ins[1]),
-                         not isinstance(rhs, jex_core.Literal) and rhs in direct))
+                         not isinstance(rhs, jex_core.Literal) and rhs in direct, rows))
       outs = [all(ins)] * len(eqn.outvars)
     for v, s in zip(eqn.outvars, outs):
       shared[v] = s
@@ -201,4 +221,6 @@ def measure(jaxprs_and_shared, *, batch: int, block_rows: int, shared_avals,
       batch=batch, block_rows=block_rows, dots=tuple(dots),
       largest_row_value_bytes=largest[0], shared_bytes=shared_bytes,
       block_bytes=shared_bytes + row_block_bytes,
-      row_bytes=-(-row_block_bytes // block_rows))
+      row_bytes=-(-row_block_bytes // block_rows),
+      blocks=tuple((tuple(a.shape), np.dtype(a.dtype).name)
+                   for a in list(shared_avals) + list(row_block_avals)))

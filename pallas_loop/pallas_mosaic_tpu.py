@@ -8,9 +8,13 @@ is constrained only for 2-D operands (rows are the sublane axis: a multiple of
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
+import numpy as np
+
 from pallas_loop import backend as backend_lib
+from pallas_loop import footprint as footprint_lib
 
 
 def _block_problems(blocks: Sequence[backend_lib.Block]) -> list[str]:
@@ -50,13 +54,80 @@ def _lowering_rules():
     return None
 
 
-def configure(fp, block_rows_given: bool):
-  """The Mosaic kernel's configuration for a footprint, or why none fits."""
+MIB = 1 << 20
+
+# By device-kind substring: (default scoped VMEM limit, physical VMEM). The
+# scoped limit is what a kernel may take unless its `vmem_limit_bytes` says
+# otherwise (libtpu's E1001 "CompileTimeScopedVmemOom" names it). Unknown TPUs
+# keep their default limit: the rule does not raise it.
+_TPUS = (
+    (("TPU v5 lite", "TPU v5e"), (16 * MIB, 128 * MIB)),
+    (("TPU v6 lite", "TPU v6e", "TPU v6"), (32 * MIB, 128 * MIB)),
+)
+_UNKNOWN_TPU = (16 * MIB, 16 * MIB)
+
+# Beyond the blocks: internal scratch (~0.5 MB in the smallest kernels of the
+# compile report) and the step's temporaries, a few [block_rows, D] values.
+_FIXED_SCRATCH = 1 * MIB
+_ROW_TEMPORARIES = 8
+
+
+def vmem(device_kind: str | None) -> tuple[int, int]:
+  """(default scoped VMEM limit, physical VMEM) in bytes for a device kind."""
+  for names, spec in _TPUS:
+    if device_kind and any(n in device_kind for n in names):
+      return spec
+  return _UNKNOWN_TPU
+
+
+def padded_bytes(shape: Sequence[int], dtype: str) -> int:
+  """Bytes of a block as VMEM holds it: the last two axes padded to a
+  (8 x 32 bits / itemsize, 128) tile (a 1-D block is one row)."""
+  itemsize = np.dtype(dtype).itemsize
+  shape = (1,) * (2 - len(shape)) + tuple(shape)
+  sublanes = 8 * max(1, 4 // itemsize)
+  *lead, a, b = shape
+  return (math.prod(lead) * (-(-a // sublanes) * sublanes) * (-(-b // 128) * 128)
+          * itemsize)
+
+
+def vmem_estimate(fp: footprint_lib.Footprint) -> int:
+  """Bytes of VMEM a program takes, an upper bound (compile report).
+
+  Pallas double-buffers every block (the pipeline fetches the next tile's
+  while this one runs), shared operands included; plus `_FIXED_SCRATCH` and
+  `_ROW_TEMPORARIES` float32 row values.
+  """
+  blocks = sum(padded_bytes(shape, dtype) for shape, dtype in fp.blocks)
+  return 2 * blocks + _FIXED_SCRATCH + _ROW_TEMPORARIES * fp.largest_row_value_bytes
+
+
+def configure(fp: footprint_lib.Footprint, block_rows_given: bool):
+  """The Mosaic kernel's configuration for a footprint, or why none fits.
+
+  The rule: a program's VMEM (`vmem_estimate`) within the TPU's default
+  scoped limit runs as is; up to three quarters of the physical VMEM, the
+  kernel asks for twice its estimate (at most that much) as its
+  `vmem_limit_bytes`; beyond, no configuration fits (the XLA implementation
+  runs it, a smaller `block_rows` may fit).
+  """
   del block_rows_given
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  default, physical = vmem(backend_lib.device_kind("tpu"))
+  cap = physical * 3 // 4 if physical > default else default
+  need = vmem_estimate(fp)
+  if need > cap:
+    return None, [
+        f"no kernel configuration fits the TPU's VMEM: a program needs about {need:,} B "
+        f"(its blocks double-buffered: {len(fp.blocks)} blocks of {fp.block_rows} rows "
+        f"and the shared operands), more than the {cap:,} B a kernel may ask for; a "
+        "smaller block_rows may fit, else the XLA implementation runs it"]
+  limit = None if need <= default else min(cap, -(-2 * need // MIB) * MIB)
   # Row tiles are independent: let Mosaic split them across TensorCores.
-  params = pltpu.CompilerParams(dimension_semantics=("parallel",))
-  return backend_lib.KernelConfig(block_rows=fp.block_rows, compiler_params=params), []
+  params = pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit)
+  return backend_lib.KernelConfig(
+      block_rows=fp.block_rows, compiler_params=params,
+      estimate={"vmem_bytes": need, "vmem_limit_bytes": limit}), []
 
 
 def _default_block_rows(batch: int) -> int:

@@ -120,19 +120,52 @@ def num_warps(fp: footprint_lib.Footprint) -> int:
   return 4 if largest <= 8192 and fp.largest_row_value_bytes <= 4096 else 8
 
 
-def shared_memory_estimate(fp: footprint_lib.Footprint, on_chip: bool) -> int:
+def shared_memory_estimate(fp: footprint_lib.Footprint, on_chip: bool,
+                           warps: int = 8) -> int:
   """Bytes of shared memory a program takes, an upper bound (compile report).
 
   Triton stages both operands of a dot in shared memory. Held on chip, every
   shared dot operand stays staged for the whole loop, plus one row operand;
   re-read where used, one dot's operands at a time, a re-read weight in K
   chunks of at most `jaxpr_eval.TRITON.split_dot_bytes`. Layout conversions and
-  cross-warp reductions take up to two row values (float32) more.
+  cross-warp reductions take up to two row values (float32) more, and a
+  weight gradient's accumulator leaves the dot through a layout conversion
+  staged `16 * warps` rows at a time (float32).
   """
-  scratch = 2 * fp.largest_row_value_bytes
+  scratch = 2 * fp.largest_row_value_bytes + gradient_conversion_bytes(fp, warps)
   if on_chip:
     return fp.shared_dot_bytes() + fp.largest_row_operand_bytes() + scratch
   return fp.largest_dot_bytes(jaxpr_eval.TRITON.split_dot_bytes) + scratch
+
+
+def gradient_conversion_bytes(fp: footprint_lib.Footprint, warps: int) -> int:
+  """Shared memory for converting the largest weight gradient's layout."""
+  sizes = [min(d.out[0], 16 * warps) * (d.accumulator_bytes // d.out[0])
+           for d in fp.dots if d.contracts_rows and d.out]
+  return max(sizes, default=0)
+
+
+# A program's register file: 8 warps x 32 threads x 255 registers x 4 B.
+PROGRAM_REGISTER_BYTES = 8 * 32 * 255 * 4
+
+
+def accumulator_problem(fp: footprint_lib.Footprint) -> str | None:
+  """Why a weight-gradient dot cannot accumulate in registers, or None.
+
+  A dot keeps its whole output in registers while it runs. The backward
+  kernel's weight gradients (sums over the tile's rows) are [K, N] outputs;
+  up to half the program's register file they compile (the other half holds
+  the step's row values and the operands in flight). A [256, 256] float32
+  accumulator (256 KB) spills and, for an LSTM in float32, fails register
+  allocation (compile report).
+  """
+  acc = fp.largest_gradient_accumulator_bytes()
+  if acc <= PROGRAM_REGISTER_BYTES // 2:
+    return None
+  big = max((d for d in fp.dots if d.contracts_rows), key=lambda d: d.accumulator_bytes)
+  return (f"a weight gradient of shape {list(big.out)} would accumulate {acc:,} B in "
+          f"registers, more than half a program's register file "
+          f"({PROGRAM_REGISTER_BYTES // 2:,} B)")
 
 
 def prefer_xla(fp: footprint_lib.Footprint, spec: Gpu) -> str | None:
@@ -169,13 +202,18 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool):
        `prefer_xla` then says whether the XLA implementation is expected to
        be faster (`implementation=None` falls back, "pallas" runs it).
     3. Else no configuration fits: a problem naming the dot.
+  Before these, a weight gradient too large to accumulate in registers
+  (`accumulator_problem`) means no configuration fits.
   Warps per program: `num_warps`.
   """
   del block_rows_given
   spec = gpu(backend_lib.device_kind("gpu"))
   warps = num_warps(fp)
+  too_big = accumulator_problem(fp)
+  if too_big:
+    return None, [f"no kernel configuration fits: {too_big}; the XLA implementation runs it"]
   for on_chip in (True, False):
-    smem = shared_memory_estimate(fp, on_chip)
+    smem = shared_memory_estimate(fp, on_chip, warps)
     if smem <= spec.shared_memory:
       return backend_lib.KernelConfig(
           block_rows=fp.block_rows, shared_on_chip=on_chip,
@@ -187,7 +225,7 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool):
   return None, [
       f"no kernel configuration fits the GPU's shared memory ({spec.shared_memory:,} B "
       f"a program): the step's dot of {list(big.lhs)} x {list(big.rhs)} stages "
-      f"{sum(big.operand_bytes):,} B, {shared_memory_estimate(fp, False):,} B with "
+      f"{sum(big.operand_bytes):,} B, {shared_memory_estimate(fp, False, warps):,} B with "
       "scratch; Triton cannot split a dot, so the XLA implementation runs it"]
 
 

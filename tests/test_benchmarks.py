@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -97,15 +98,31 @@ def test_plot_when_matplotlib_is_installed(tmp_path):
 
 
 def test_gpu_check_smoke_mode_runs_anywhere(tmp_path):
-  assert gpu_check.main(["--smoke", "--out", str(tmp_path / "r.json")]) == 0
+  path = tmp_path / "r.jsonl"
+  assert gpu_check.main(["--smoke", "--out", str(path)]) == 0
+  lines = [json.loads(l) for l in path.read_text().splitlines()]
+  by_item = lambda item: [l for l in lines if l["item"] == item]
+  assert by_item("machine")[0]["jax"] == jax.__version__
+  checks = by_item("correctness")
+  assert {(c["block"], c["implementation"]) for c in checks} == {
+      (b, i) for b in ("tanh_rnn", "gru") for i in (None, "pallas")}
+  assert all(c["ok"] and c["forward_compile_s"] > 0 for c in checks)
   rows = sum(len(harness._applicable(c)) for c in cases.smoke_suite())  # pylint: disable=protected-access
-  payload = json.loads((tmp_path / "r.json").read_text())
-  assert len(payload["results"]) == rows
-  assert {r["impl"] for r in payload["grad_modes"]} == {"xla", "pallas"}
-  assert all(r["ok"] for r in payload["grad_modes"])
-  sweep = payload["block_rows_sweep"]
+  assert len(by_item("timing")) == rows
+  assert {r["impl"] for r in by_item("grad_modes")} == {"xla", "pallas"}
+  assert all(r["ok"] for r in by_item("grad_modes"))
+  sweep = by_item("block_rows")
   assert [r["block"] for r in sweep] == ["tanh_rnn", "residual_mlp"]
   assert all(set(r["seconds"]) == {"8", "16"} and r["best"] in (8, 16) for r in sweep)
+  assert lines[-1]["item"] == "done" and lines[-1]["mismatches"] == []
+
+
+def test_gpu_check_stops_starting_items_when_the_budget_is_spent(tmp_path):
+  path = tmp_path / "r.jsonl"
+  assert gpu_check.main(["--smoke", "--budget", "0", "--out", str(path)]) == 0
+  lines = [json.loads(l) for l in path.read_text().splitlines()]
+  assert {l["item"] for l in lines} == {"machine", "skipped", "done"}
+
 
 
 def test_gradient_mode_benchmark_agrees_on_a_tiny_case():

@@ -1,0 +1,272 @@
+"""The kernel configuration rules: footprints, the Triton rule's decisions,
+the evaluation rewrites the rules rely on, and the compile report's parsers.
+
+Whether the rules predict the real compilers is checked by
+`python -m benchmarks.compile_check` (CI's compile step); these tests pin the
+decisions themselves on CPU, so a change to a rule shows here first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_loop
+import reference
+from benchmarks import blocks
+from benchmarks import compile_check
+from pallas_loop import backend as backend_lib
+from pallas_loop import dispatch
+from pallas_loop import footprint as footprint_lib
+from pallas_loop import jaxpr_eval
+from pallas_loop import pallas_mosaic_tpu
+from pallas_loop import pallas_triton
+from tests import cases
+from tests import lowering
+from tests import oracle
+
+MAX_ITERS = 4
+
+
+# --- footprints ---------------------------------------------------------------
+
+def test_footprint_counts_dots_and_weight_gradients():
+  def step(w, h, g):
+    out = jnp.dot(h, w, preferred_element_type=jnp.float32)       # [16, 64] x [64, 32]
+    grad_w = jax.lax.dot_general(h, g, (((0,), (0,)), ((), ())))   # sums over the rows
+    return out, grad_w
+
+  w = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
+  h = jax.ShapeDtypeStruct((16, 64), jnp.bfloat16)
+  g = jax.ShapeDtypeStruct((16, 32), jnp.bfloat16)
+  jaxpr = jax.make_jaxpr(step)(w, h, g).jaxpr
+  fp = footprint_lib.measure([(jaxpr, 1)], batch=4096, block_rows=16, shared_avals=[w],
+                             row_block_avals=[h, g])
+  forward, gradient = fp.dots
+  assert (forward.lhs_shared, forward.rhs_shared) == (False, True)
+  assert forward.operand_bytes == (16 * 64 * 2, 64 * 32 * 2)
+  assert forward.flops == 2 * 16 * 32 * 64 and not forward.contracts_rows
+  assert gradient.contracts_rows and gradient.out == (64, 32)
+  assert fp.largest_gradient_accumulator_bytes() == 64 * 32 * 4
+  assert fp.shared_dot_bytes() == 64 * 32 * 2
+  assert fp.tiles == 256
+  assert fp.shared_bytes == 64 * 32 * 2
+  assert fp.row_bytes == (64 + 32) * 2
+
+
+# --- the Triton rule ------------------------------------------------------------
+
+def _plans(block, d, dtype, *, grad, implementation=None, batch=4096, platform="cuda"):
+  """The plans the rules make for a block, traced by exporting for `platform`."""
+  step, params, h0, x = blocks.make(block, batch, d, jnp.dtype(dtype))
+  n = jnp.arange(batch, dtype=jnp.int32) % (MAX_ITERS + 1)
+  run = functools.partial(pallas_loop.iterate, step, max_iters=MAX_ITERS,
+                          implementation=implementation)
+  if implementation == "pallas":
+    run = functools.partial(run, interpret=False)
+  forward = lambda p, h, x_, n_: run(p, h, x_, iters=n_)
+  f = jax.grad(lambda *a: cases.tree_sum(forward(*a))) if grad else forward
+  backend = "triton" if platform == "cuda" else "mosaic_tpu"
+  with dispatch.observe_plans() as seen, warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    text = lowering.export_text(f, params, h0, x, n, platform=platform)
+  plans = {what: p for what, name, p in seen if name == backend}
+  return plans, text, [str(w.message) for w in caught]
+
+
+def test_small_weights_are_held_on_chip():
+  plans, text, _ = _plans("gru", 64, "bfloat16", grad=True)
+  assert plans["forward"].config.shared_on_chip
+  assert plans["backward"].config.shared_on_chip
+  assert plans["forward"].config.estimate["num_warps"] == 4
+  assert text.count(lowering.kernel_marker("cuda")) >= 2
+
+
+def test_weights_that_do_not_fit_together_are_re_read():
+  plans, _, _ = _plans("gru", 128, "bfloat16", grad=True)
+  fwd, bwd = plans["forward"].config, plans["backward"].config
+  assert fwd.shared_on_chip and not bwd.shared_on_chip
+  assert fwd.estimate["num_warps"] == 8
+  for c in (fwd, bwd):
+    assert c.estimate["shared_memory_bytes"] <= pallas_triton.gpu("NVIDIA H200").shared_memory
+    assert c.prefer_xla is None
+
+
+def test_large_weight_gradient_falls_back_with_the_reason():
+  dispatch._warned.clear()
+  plans, text, caught = _plans("tanh_rnn", 256, "bfloat16", grad=True)
+  assert plans["forward"].config is not None and not plans["forward"].problems
+  assert plans["backward"].config is None
+  assert any("weight gradient of shape [256, 256]" in p for p in plans["backward"].problems)
+  assert any("backward kernel cannot run" in m and "registers" in m for m in caught)
+  assert text.count(lowering.kernel_marker("cuda")) == 1  # the forward kernel only
+
+
+def test_large_weight_gradient_is_rejected_before_compiling():
+  with pytest.raises(ValueError, match=r"weight gradient.*registers"):
+    _plans("tanh_rnn", 256, "bfloat16", grad=True, implementation="pallas")
+
+
+def test_cost_model_prefers_xla_when_every_tile_re_reads_large_weights():
+  dispatch._warned.clear()
+  plans, text, caught = _plans("tanh_rnn", 512, "float32", grad=False)
+  config = plans["forward"].config
+  assert not config.shared_on_chip and config.prefer_xla
+  assert any("expected to be slower" in m for m in caught)
+  assert lowering.kernel_marker("cuda") not in text
+  # "pallas" runs the kernel anyway: the model is a preference, not a limit.
+  _, text, _ = _plans("tanh_rnn", 512, "float32", grad=False, implementation="pallas")
+  assert lowering.kernel_marker("cuda") in text
+
+
+def test_no_configuration_fits_a_dot_too_big_to_stage():
+  plans, _, _ = _plans("residual_mlp_ln", 512, "bfloat16", grad=False)
+  assert plans["forward"].config is None
+  assert "no kernel configuration fits the GPU's shared memory" in plans["forward"].problems[0]
+  with pytest.raises(ValueError, match="no kernel configuration fits"):
+    _plans("residual_mlp_ln", 512, "bfloat16", grad=False, implementation="pallas")
+
+
+def test_unknown_gpus_get_the_smallest_shared_memory():
+  assert pallas_triton.gpu("NVIDIA H200").shared_memory == 232448
+  assert pallas_triton.gpu("NVIDIA A100-SXM4-80GB").shared_memory == 166912
+  assert pallas_triton.gpu("NVIDIA GeForce RTX 4090").shared_memory == 101376
+  assert pallas_triton.gpu(None) == pallas_triton.gpu("some new GPU")
+
+
+# --- the TPU: 1-D parameters, advice -------------------------------------------
+
+def test_tpu_backward_of_a_1d_bias_lowers():
+  plans, text, _ = _plans("tanh_rnn", 128, "float32", grad=True, batch=256,
+                          implementation="pallas", platform="tpu")
+  assert not plans["backward"].problems
+  assert text.count(lowering.kernel_marker("tpu")) >= 2
+
+
+def test_mosaic_advice_names_the_axis_block_rows_cannot_fix():
+  rows = backend_lib.Block("h", (12, 128), (48, 128), row_axis=0)
+  shared = backend_lib.Block("gradient", (1, 4, 128), (4, 12, 128), row_axis=None)
+  (row_problem,) = pallas_mosaic_tpu._block_problems([rows])
+  (shared_problem,) = pallas_mosaic_tpu._block_problems([shared])
+  assert "choose block_rows a multiple of 8" in row_problem
+  assert "block_rows cannot fix it" in shared_problem
+
+
+# --- the rewrites, run in interpret mode -------------------------------------
+
+@pytest.fixture
+def re_read_interpret(monkeypatch):
+  """The interpret backend configured as the Triton rule configures a large
+  step: shared operands re-read at each use, weight dots split in K chunks."""
+  rules = dataclasses.replace(jaxpr_eval.TRITON, split_dot_bytes=1024)
+  config = lambda fp, given: (backend_lib.KernelConfig(
+      fp.block_rows, shared_on_chip=False, eval_rules=rules), [])
+  monkeypatch.setattr(backend_lib, "INTERPRET",
+                      dataclasses.replace(backend_lib.INTERPRET, configure=config))
+
+
+@pytest.mark.parametrize("block", ["residual_mlp_ln", "gru"])
+def test_re_read_and_split_weights_match_the_reference(re_read_interpret, block):
+  del re_read_interpret
+  step, params, h0, x = blocks.make(block, 19, 32)
+  n = cases.counts("ragged", 19, MAX_ITERS)
+  run = functools.partial(pallas_loop.iterate, implementation="pallas", interpret=True,
+                          block_rows=8)
+  loss = lambda it, p, h, x_: cases.tree_sum(it(step, p, h, x_, iters=n, max_iters=MAX_ITERS))
+  got = jax.value_and_grad(functools.partial(loss, run), argnums=(0, 1, 2))(params, h0, x)
+  want = jax.value_and_grad(functools.partial(loss, reference.iterate),
+                            argnums=(0, 1, 2))(params, h0, x)
+  oracle.assert_trees_close(got, want, what=f"{block} re-read")
+
+
+def test_split_parts():
+  assert jaxpr_eval.split_parts(512, 128, 2, 32768) == 4
+  assert jaxpr_eval.split_parts(128, 128, 2, 32768) == 1
+  assert jaxpr_eval.split_parts(32, 4096, 4, 1024) == 2   # chunks stay >= 16 wide
+  assert jaxpr_eval.split_parts(512, 128, 2, None) == 1
+
+
+# --- the compile report's parsers and verdicts --------------------------------
+
+PTXAS = """ptxas info    : Compiling entry function 'pallas_loop_iterate_fwd' for 'sm_90a'
+ptxas info    : Function properties for pallas_loop_iterate_fwd
+    0 bytes stack frame, 12 bytes spill stores, 16 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 40960 bytes smem
+"""
+THUNKS = ("kernel_thunk pallas_loop_iterate_fwd grid: [256, 1, 1] threads: [256, 1, 1]  "
+          "shared_memory: 40960 bytes\n")
+HLO = ('  %pallas_loop_iterate_bwd.3 = f32[8] custom-call(), custom_call_target="tpu_custom_call",'
+       ' backend_config={"used_scoped_memory_configs":[{"memory_space":"1","offset":"0",'
+       '"size":"524288"}]}')
+
+
+def test_parsers_read_the_compilers_output():
+  assert compile_check.parse_ptxas(PTXAS) == {"pallas_loop_iterate_fwd": {
+      "stack_bytes": 0, "spill_store_bytes": 12, "spill_load_bytes": 16, "registers": 255}}
+  assert compile_check.parse_thunks(THUNKS) == {"pallas_loop_iterate_fwd": {
+      "grid": 256, "threads": 256, "shared_memory_bytes": 40960}}
+  assert compile_check.scoped_vmem(HLO) == {"pallas_loop_iterate_bwd": {"vmem_bytes": 524288}}
+
+
+def _result(case, **kw):
+  base = {"case": dataclasses.asdict(case), "label": case.label, "compiled": True,
+          "plans": [], "kernel_resources": {}}
+  return base | kw
+
+
+def _plan(kind, estimate=None, problems=()):
+  return {"kernel": kind, "backend": "triton", "problems": list(problems), "block_rows": 16,
+          "shared_on_chip": False, "prefer_xla": None, "estimate": estimate or {}}
+
+
+def test_verdicts():
+  control = compile_check.Case("h200", control=True)
+  assert compile_check.problems_of(_result(control))  # a control that compiles fails
+  assert not compile_check.problems_of(_result(
+      control, compiled=False, error="RESOURCE_EXHAUSTED: Shared memory size limit exceeded"))
+  case = compile_check.Case("h200", "gru", 256, "float32")
+  over = _result(case, plans=[_plan("forward", {"shared_memory_bytes": 100})],
+                 kernel_resources={"pallas_loop_iterate_fwd": {"shared_memory_bytes": 200}})
+  assert any("more than the rule's estimate" in p for p in compile_check.problems_of(over))
+  rejected = _result(case, plans=[_plan("backward", problems=["too big"])])
+  assert any("did not raise" in p for p in compile_check.problems_of(rejected))
+  assert not compile_check.problems_of(rejected | {"strict_raises": "too big"})
+  strict = compile_check.Case("h200", "gru", 256, "float32", "forward", implementation="pallas")
+  assert not compile_check.problems_of(_result(
+      strict, compiled=False, error="ValueError: too big", strict_raises="too big",
+      plans=[_plan("forward", problems=["too big"])]))
+  assert compile_check.problems_of(_result(strict, compiled=False, error="INTERNAL: crash"))
+
+
+# --- the Mosaic rule -------------------------------------------------------------
+
+def test_vmem_padding():
+  assert pallas_mosaic_tpu.padded_bytes((128, 1), "int32") == 128 * 128 * 4
+  assert pallas_mosaic_tpu.padded_bytes((1, 100), "float32") == 8 * 128 * 4
+  assert pallas_mosaic_tpu.padded_bytes((100,), "float32") == 8 * 128 * 4
+  assert pallas_mosaic_tpu.padded_bytes((2, 8, 128), "bfloat16") == 2 * 16 * 128 * 2
+  assert pallas_mosaic_tpu.vmem("TPU v5 lite") == (16 << 20, 128 << 20)
+  assert pallas_mosaic_tpu.vmem("TPU v6 lite") == (32 << 20, 128 << 20)
+  assert pallas_mosaic_tpu.vmem("TPU v9") == (16 << 20, 16 << 20)
+
+
+def test_mosaic_raises_the_vmem_limit_where_the_blocks_need_it():
+  plans, _, _ = _plans("tanh_rnn", 128, "bfloat16", grad=True, platform="tpu")
+  for p in plans.values():
+    assert p.config.compiler_params.vmem_limit_bytes is None
+  plans, _, _ = _plans("gru", 512, "bfloat16", grad=True, platform="tpu")
+  bwd = plans["backward"].config
+  assert bwd.estimate["vmem_bytes"] > 16 << 20
+  assert bwd.compiler_params.vmem_limit_bytes == bwd.estimate["vmem_limit_bytes"]
+  assert 16 << 20 < bwd.compiler_params.vmem_limit_bytes <= 96 << 20
+
+
+def test_mosaic_rejects_what_no_vmem_limit_holds():
+  plans, _, _ = _plans("lstm", 1024, "float32", grad=True, platform="tpu")
+  assert plans["backward"].config is None
+  assert "no kernel configuration fits the TPU's VMEM" in plans["backward"].problems[0]

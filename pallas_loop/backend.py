@@ -181,6 +181,6 @@ def interpret_backend(interpret: Any) -> Backend:
     return INTERPRET
   return dataclasses.replace(
       INTERPRET, name="tpu-interpret", interpret=interpret,
-      configure=lambda fp, given: (KernelConfig(fp.block_rows), []))
+      configure=lambda fp, given: (KernelConfig(fp.block_rows, eval_rules=jaxpr_eval.MOSAIC), []))
 
 

@@ -8,6 +8,11 @@ to a jaxpr and evaluates it here, casting the narrower dot operand to the
 wider dtype (no precision is lost), inlining nested `jit` calls so that dots
 inside them are seen too. The forward kernel evaluates the step this way too
 (a step may itself contain a VJP: `Implicit`'s adjoint step does).
+
+The same evaluation applies each backend's rewrites (`Rules`: what XLA's
+Triton needs to compile the kernel at all, or within shared memory), feeds
+outputs to sinks as soon as they are computed (the backward kernel adds each
+gradient into its ref), and reads shared operands where used (`LoadOnUse`).
 """
 
 from __future__ import annotations
@@ -38,17 +43,22 @@ class Rules:
     integer_mask_selects: `_bitwise_select` (Triton).
     split_dot_bytes: split a dot by a re-read weight into K chunks of at
       most this many bytes (`_split_dot`; Triton: 32 KB); None: never.
+    merge_leading_contractions: a dot contracting the same leading axes of
+      both operands (a weight gradient of a [TB, S, D] state) is computed
+      on operands reshaped to 2-D (`_merged_dot`; Mosaic).
   """
 
   swap_transposed_dots: bool = False
   fence_transposed_operands: bool = False
   integer_mask_selects: bool = False
   split_dot_bytes: int | None = None
+  merge_leading_contractions: bool = False
 
 
 PLAIN = Rules()
 TRITON = Rules(swap_transposed_dots=True, fence_transposed_operands=True,
                integer_mask_selects=True, split_dot_bytes=32768)
+MOSAIC = Rules(merge_leading_contractions=True)
 
 
 class LoadOnUse:
@@ -111,6 +121,8 @@ def eval_jaxpr(jaxpr, consts, args, sinks=None, rules: Rules = PLAIN):
       outs = eval_jaxpr(sub.jaxpr, sub.consts, invals, rules=rules)
     elif rules.integer_mask_selects and _is_masked_select(eqn):
       outs = [_bitwise_select(*invals)]
+    elif rules.merge_leading_contractions and merges_leading_contractions(eqn):
+      outs = [_merged_dot(eqn, *_matched(invals))]
     elif i in swapped:
       if fence:
         invals = _fenced(eqn, invals, [v in computed for v in eqn.invars], swapped=True)
@@ -188,6 +200,33 @@ def _split_dot(eqn, env, rules: Rules):
     return total
 
   return run
+
+
+def merges_leading_contractions(eqn) -> bool:
+  """Whether `eqn` is a dot contracting axes 0..k-1 (k >= 2) of both operands."""
+  if eqn.primitive.name != "dot_general":
+    return False
+  (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+  lead = tuple(range(len(lc)))
+  return not lb and len(lc) >= 2 and tuple(lc) == lead and tuple(rc) == lead
+
+
+def _merged_dot(eqn, lhs, rhs):
+  """A dot contracting the leading axes of both operands, as a 2-D dot.
+
+  libtpu's Mosaic (0.0.48.1) reshapes such operands to the wrong element
+  count and aborts the process ("Check failed: new_num_elements ==
+  num_elements()"): the weight gradient of `einsum("bld,de->ble")`. Merged
+  into one contracted axis, the same sum compiles.
+  """
+  k = len(eqn.params["dimension_numbers"][0][0])
+  lead = int(np.prod(lhs.shape[:k]))
+  a, b = lhs.reshape((lead, -1)), rhs.reshape((lead, -1))
+  with eqn.ctx.manager:
+    out = jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                              precision=eqn.params.get("precision"),
+                              preferred_element_type=eqn.params.get("preferred_element_type"))
+  return out.reshape(eqn.outvars[0].aval.shape)
 
 
 def _matched(invals):

@@ -5,12 +5,17 @@ Legend (shapes in comments):
   ...: a leaf's trailing (per-row) dimensions    T: a tile's largest count
 
 Each program of the 1-D grid owns TB consecutive rows (already ordered by
-descending count, see `rows.py`). It loads their state, inputs and counts and
-the whole of the shared operands (`params` and the arrays `step` closes over),
+descending count, see `rows.py`). It loads their state, inputs and counts,
 then runs the masked loop of `masking.run_loop`: at most T trips, fewer when
 halting stops every row of the tile earlier. A row whose count is spent (or
 that has halted) is frozen by masking. The state lives in registers/VMEM
 between steps and is written once.
+
+The shared operands (`params` and the arrays `step` closes over) are either
+loaded once and held across the loop, or re-read from their refs at each use
+(`jaxpr_eval.LoadOnUse`), as the backend's configuration rule decides from the
+step's footprint (`configured`, `footprint.py`, `Backend.configure`); the step
+is evaluated with the backend's rewrites (`jaxpr_eval.Rules`).
 """
 
 from __future__ import annotations

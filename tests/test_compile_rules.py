@@ -263,10 +263,41 @@ def test_mosaic_raises_the_vmem_limit_where_the_blocks_need_it():
   bwd = plans["backward"].config
   assert bwd.estimate["vmem_bytes"] > 16 << 20
   assert bwd.compiler_params.vmem_limit_bytes == bwd.estimate["vmem_limit_bytes"]
-  assert 16 << 20 < bwd.compiler_params.vmem_limit_bytes <= 96 << 20
+  assert 16 << 20 < bwd.compiler_params.vmem_limit_bytes <= 112 << 20
 
 
 def test_mosaic_rejects_what_no_vmem_limit_holds():
   plans, _, _ = _plans("lstm", 1024, "float32", grad=True, platform="tpu")
   assert plans["backward"].config is None
   assert "no kernel configuration fits the TPU's VMEM" in plans["backward"].problems[0]
+
+
+def test_mosaic_merges_leading_contractions_and_matches_the_reference():
+  # A transformer block's weight gradients contract the rows and the tokens
+  # of [TB, S, D] values: the TPU rules compute them as 2-D dots.
+  step, params, h0, x = blocks.make("transformer", 11, 16)
+  n = cases.counts("ragged", 11, MAX_ITERS)
+  run = functools.partial(pallas_loop.iterate, block_rows=8,
+                          **cases.IMPLEMENTATIONS["pallas_tpu_interpret"])
+  loss = lambda it, p: cases.tree_sum(it(step, p, h0, x, iters=n, max_iters=MAX_ITERS))
+  got = jax.grad(functools.partial(loss, run))(params)
+  want = jax.grad(functools.partial(loss, reference.iterate))(params)
+  oracle.assert_trees_close(got, want, what="transformer gradient")
+
+
+def test_mosaic_names_the_dots_it_would_abort_on():
+  def dot(lhs, rhs, dims):
+    structs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in (lhs, rhs)]
+    return jax.make_jaxpr(lambda u, v: jax.lax.dot_general(u, v, dims))(*structs).jaxpr
+
+  none = ((), ())
+  fine = [((16, 8, 64), (16, 8, 32), (((0, 1), (0, 1)), none)),   # merged into a 2-D dot
+          ((16, 8, 64), (8, 64, 32), (((1, 2), (0, 1)), none)),   # lhs trailing, rhs leading
+          ((16, 64), (64, 32), (((1,), (0,)), none))]
+  aborts = [((8, 64, 16), (32, 8, 64), (((0, 1), (1, 2)), none)),  # libtpu 0.0.48.1 aborts
+            ((16, 8, 64), (16, 8, 64), (((1, 2), (1, 2)), ((0,), (0,))))]
+  for lhs, rhs, dims in fine:
+    assert not pallas_mosaic_tpu._dot_problems(dot(lhs, rhs, dims))
+  for lhs, rhs, dims in aborts:
+    (problem,) = pallas_mosaic_tpu._dot_problems(dot(lhs, rhs, dims))
+    assert "Mosaic TPU aborts on a dot" in problem

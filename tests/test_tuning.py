@@ -27,13 +27,14 @@ def test_rows_for_tiles():
 
 
 @pytest.mark.parametrize("batch", [1024, 4096, 16384])
-@pytest.mark.parametrize("dist", ["uniform", "recurrent_depth", "geometric"])
+@pytest.mark.parametrize("dist", ["uniform", "recurrent_depth", "geometric", "bimodal"])
 def test_triton_default_keeps_sorted_tiles_efficient(batch, dist):
-  """The Triton default tile keeps work efficiency >= 0.95 (the issue's goal)."""
+  """The Triton default tile keeps work efficiency >= 0.97 (the compile issue's
+  goal, re-checked at the tile heights its rule picks: 0.974-0.998)."""
   counts = cases.count_distribution(dist, batch, cases.DEFAULT_MAX_ITERS[dist])
   rows = pallas_triton.TRITON.default_block_rows(batch)
   computed = harness.rows_computed("pallas", counts, counts, int(counts.max()), rows)
-  assert counts.sum() / computed >= 0.95
+  assert counts.sum() / computed >= 0.97
 
 
 def test_default_candidates():

@@ -30,7 +30,7 @@ def iterate(
     h0: Any,
     x: Any = None,
     *,
-    iters: Any,
+    iters: Any = None,
     max_iters: int,
     tol: Any = None,
     halt: Callable[..., Any] | None = None,
@@ -63,7 +63,10 @@ def iterate(
     h0: pytree of arrays, each [B, ...]: the initial state.
     x: pytree of arrays [B, ...], constant across steps, or None.
     iters: int, or int array of shape () or [B]; may be traced (one
-      compilation serves every count). Clipped to [0, max_iters].
+      compilation serves every count). Clipped to [0, max_iters]. None (the
+      default): every row's budget is `max_iters`, e.g. a deep equilibrium
+      layer that halts on `tol`: `iterate(f, params, h0, x, max_iters=100,
+      tol=1e-5)`.
     max_iters: static Python int >= 0, the largest count.
     tol: halt a row after the first step whose update has
       `rms(h_new - h) <= tol`, the rms over all state elements of the row,
@@ -85,7 +88,7 @@ def iterate(
       (jax.random does not lower inside the Triton kernel).
     grad: the gradient mode: "full" (= `Full()`: exact, checkpointed, memory
       O(sqrt(max_iters))), `Truncated(k)` (through each row's last k steps),
-      `Implicit(tol, max_iters)` (implicit-function gradient at a fixed
+      `Implicit()` (implicit-function gradient at a fixed
       point) or `Phantom(k)` (k steps unrolled from the stopped output). See
       `pallas_loop.grad_modes` and the README's "Gradients".
     implementation: None (auto: the Pallas kernel on GPU/TPU when the step
@@ -173,7 +176,8 @@ def _with_custom_vjp(forward, window, fn, mode, max_iters, iterate_options):
   def run_fwd(params, consts, h0, x, counts, row_ids, halting):
     out = forward(params, consts, h0, x, counts, row_ids, halting)
     saved = (params, consts, h0 if keeps_input else None, x, out[2], row_ids,
-             out[0] if keeps_output else None)
+             out[0] if keeps_output else None,
+             halting if isinstance(mode, grad_modes.Implicit) else None)
     return out, saved
 
   def run_bwd(saved, cotangents):

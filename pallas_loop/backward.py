@@ -49,13 +49,13 @@ def _zero_rows(keep, tree):
 
 
 def full(mode: grad_modes.Full, ctx: Context, saved, g):
-  params, consts, h0, x, steps, row_ids, _ = saved
+  params, consts, h0, x, steps, row_ids, _, _ = saved
   return ctx.window(params, consts, h0, x, jnp.zeros_like(steps), steps, row_ids, g,
                     ctx.max_iters, mode.checkpoint_every)
 
 
 def truncated(mode: grad_modes.Truncated, ctx: Context, saved, g):
-  params, consts, h0, x, steps, row_ids, _ = saved
+  params, consts, h0, x, steps, row_ids, _, _ = saved
   n = jnp.minimum(steps, mode.k)
   skipped = steps - n
   # The state before each row's last n steps: rerun them, saving nothing.
@@ -66,7 +66,7 @@ def truncated(mode: grad_modes.Truncated, ctx: Context, saved, g):
 
 
 def phantom(mode: grad_modes.Phantom, ctx: Context, saved, g):
-  params, consts, _, x, steps, row_ids, h_out = saved
+  params, consts, _, x, steps, row_ids, h_out, _ = saved
   n = jnp.minimum(steps, mode.k)
   g_params, g_consts, _, g_x = ctx.window(
       params, consts, h_out, x, steps - n, n, row_ids, g, min(mode.k, ctx.max_iters), None)
@@ -76,7 +76,13 @@ def phantom(mode: grad_modes.Phantom, ctx: Context, saved, g):
 def implicit(mode: grad_modes.Implicit, ctx: Context, saved, g):
   from pallas_loop import api  # the adjoint solve is an iterate call
 
-  params, consts, _, x, steps, row_ids, h_star = saved
+  params, consts, _, x, steps, row_ids, h_star, halting = saved
+  # Unless given, the adjoint solve halts like the forward and has its budget.
+  budget = ctx.max_iters if mode.max_iters is None else mode.max_iters
+  tol = mode.tol
+  if tol is None:
+    forward_tol = None if halting is None else halting.tol
+    tol = grad_modes.Implicit.DEFAULT_TOL if forward_tol is None else forward_tol
   t_last = jnp.maximum(steps - 1, 0)[:, None]
   rows = row_ids[:, None]
 
@@ -90,8 +96,8 @@ def implicit(mode: grad_modes.Implicit, ctx: Context, saved, g):
 
   u = api.iterate(
       adjoint_step, (params, consts), g, (h_star, x, g, t_last, rows),
-      iters=jnp.where(steps > 0, mode.max_iters, 0), max_iters=mode.max_iters,
-      tol=mode.tol, **ctx.iterate_options)
+      iters=jnp.where(steps > 0, budget, 0), max_iters=budget,
+      tol=tol, **ctx.iterate_options)
   _, vjp = jax.vjp(lambda shared, x_: f(shared, h_star, x_, t_last, rows),
                    (params, consts), x)
   (g_params, g_consts), g_x = vjp(_zero_rows(steps > 0, u))

@@ -90,21 +90,30 @@ class Implicit:
   for rows that applied no step (their output is `h0`). Saves only h*.
 
   Attributes:
-    tol: rms tolerance of the adjoint iteration (float > 0).
-    max_iters: its step budget (static int >= 1).
+    tol: rms tolerance of the adjoint iteration (float > 0), or None (the
+      default): the forward call's `tol` (which may be traced), or
+      `DEFAULT_TOL` when the forward has none.
+    max_iters: its step budget (static int >= 1), or None (the default): the
+      forward call's `max_iters`.
 
   Example:
-    >>> h = pallas_loop.iterate(f, params, h0, x, iters=100, max_iters=100,
-    ...                         tol=1e-5, grad=pallas_loop.Implicit())
+    >>> h = pallas_loop.iterate(f, params, h0, x, max_iters=100, tol=1e-5,
+    ...                         grad=pallas_loop.Implicit())
   """
 
-  tol: float = 1e-6
-  max_iters: int = 100
+  tol: float | None = None
+  max_iters: int | None = None
+
+  DEFAULT_TOL = 1e-6
 
   def __post_init__(self):
-    _static_int("Implicit(max_iters)", self.max_iters, 1)
+    if self.max_iters is not None:
+      _static_int("Implicit(max_iters)", self.max_iters, 1)
+    if self.tol is None:
+      return
     if isinstance(self.tol, bool) or not isinstance(self.tol, (int, float, np.floating)):
-      raise TypeError(f"Implicit(tol) must be a Python float > 0, got {self.tol!r}.")
+      raise TypeError(f"Implicit(tol) must be a Python float > 0 or None (the forward's "
+                      f"tol), got {self.tol!r}.")
     if not self.tol > 0:
       raise ValueError(f"Implicit(tol) must be > 0, got {self.tol}.")
 

@@ -226,7 +226,7 @@ def check_against_reference(
     h0: Any,
     x: Any = None,
     *,
-    iters: Any,
+    iters: Any = None,
     max_iters: int,
     rtol: float | None = None,
     atol: float | None = None,

@@ -62,7 +62,10 @@ def batch_size(h0, x) -> int:
 
 
 def counts_from_iters(iters, batch: int, max_iters: int) -> jax.Array:
-  """int32 [B] step counts: iters broadcast to the batch, clipped to [0, max_iters]."""
+  """int32 [B] step counts: iters broadcast to the batch, clipped to [0, max_iters]
+  (None: max_iters for every row)."""
+  if iters is None:
+    iters = max_iters
   if isinstance(iters, bool):
     raise TypeError(f"iters must be an int or an int array, got {iters!r}.")
   dtype = _dtype(iters)

@@ -27,7 +27,7 @@ def iterate(
     h0: Any,
     x: Any = None,
     *,
-    iters: Any,
+    iters: Any = None,
     max_iters: int,
     tol: Any = None,
     halt: Callable[..., Any] | None = None,
@@ -44,7 +44,7 @@ def iterate(
     params: pytree shared by every row, or None.
     h0: pytree of arrays [B, ...].
     x: pytree of arrays [B, ...], or None.
-    iters: int or int array of shape () or [B].
+    iters: int or int array of shape () or [B]; None: max_iters.
     max_iters: static int >= 0: the scan's length.
     tol: a row halts after the first step t (1-based) with t >= min_iters
       whose update has rms(h_new - h) <= tol (float32 rms over all state
@@ -96,6 +96,7 @@ def _scan(step, params, h0, x, iters, max_iters, tol, halt, min_iters, key, trun
   """The masked scan; `truncate=(steps, k)` stops gradients before the last k."""
   leaves = jax.tree_util.tree_leaves(h0)
   batch = leaves[0].shape[0]
+  iters = max_iters if iters is None else iters
   n = jnp.clip(jnp.broadcast_to(jnp.asarray(iters), (batch,)), 0, max_iters)
   n = n.astype(jnp.int32)
   n_elems = sum(int(np.prod(a.shape[1:])) for a in leaves)

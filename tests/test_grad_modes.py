@@ -151,6 +151,26 @@ def test_implicit_matches_full_backprop_at_convergence(impl):
   np.testing.assert_allclose(got[1], 0)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_implicit_defaults_come_from_the_forward(impl):
+  step, params, h0, x = blocks.make("deq", 16, 16)
+  run = _iterate(impl)
+
+  # The forward's tol is traced (a jit argument).
+  implicit = lambda mode: jax.jit(lambda tol: _grads(
+      run, step, params, h0, x, max_iters=60, tol=tol, grad=mode))(jnp.float32(1e-5))
+  defaults = implicit(pallas_loop.Implicit())
+  spelled = implicit(pallas_loop.Implicit(tol=1e-5, max_iters=60))
+  for g_, w_ in zip(jax.tree.leaves(defaults), jax.tree.leaves(spelled)):
+    np.testing.assert_allclose(g_, w_, rtol=1e-6, atol=1e-7)
+  # Without a forward tol the adjoint halts at Implicit.DEFAULT_TOL.
+  no_tol = _grads(run, step, params, h0, x, iters=60, max_iters=60, grad=pallas_loop.Implicit())
+  spelled = _grads(run, step, params, h0, x, iters=60, max_iters=60,
+                   grad=pallas_loop.Implicit(tol=pallas_loop.Implicit.DEFAULT_TOL, max_iters=60))
+  for g_, w_ in zip(jax.tree.leaves(no_tol), jax.tree.leaves(spelled)):
+    np.testing.assert_allclose(g_, w_, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("mode", [pallas_loop.Full(), pallas_loop.Truncated(2),
                                   pallas_loop.Phantom(2), pallas_loop.Implicit(max_iters=20)])
 def test_modes_under_jit_and_vmap(mode):
@@ -197,7 +217,7 @@ def test_full_memory_grows_like_sqrt_of_max_iters(impl):
     (lambda: pallas_loop.Phantom(-1), ValueError),
     (lambda: pallas_loop.Full(checkpoint_every=0), ValueError),
     (lambda: pallas_loop.Implicit(tol=0.0), ValueError),
-    (lambda: pallas_loop.Implicit(max_iters=None), TypeError),
+    (lambda: pallas_loop.Implicit(max_iters=1.5), TypeError),
 ])
 def test_bad_mode_arguments(bad, error):
   with pytest.raises(error):

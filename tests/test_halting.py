@@ -11,6 +11,7 @@ import pytest
 
 import pallas_loop
 import reference
+from benchmarks import blocks
 from pallas_loop import halting
 from tests import cases
 from tests import lowering
@@ -181,3 +182,17 @@ def test_bad_halting_arguments(kw, error, match):
   w, h0, x = problem()
   with pytest.raises(error, match=match):
     pallas_loop.iterate(contraction, w, h0, x, iters=5, max_iters=5, **kw)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_iters_defaults_to_max_iters(impl):
+  # A deep-equilibrium call: the budget is spelled once, halting on tol.
+  step, params, h0, x = blocks.make("deq", 19, 16)
+  kw = dict(max_iters=40, tol=1e-4, return_info=True)
+  got, info = pallas_loop.iterate(step, params, h0, x, **cases.IMPLEMENTATIONS[impl], **kw)
+  want, want_info = reference.iterate(step, params, h0, x, **kw)
+  oracle.assert_trees_close(got, want)
+  np.testing.assert_array_equal(info.steps, want_info.steps)
+  explicit = pallas_loop.iterate(step, params, h0, x, iters=40, **cases.IMPLEMENTATIONS[impl],
+                                 **kw)[0]
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(explicit))

@@ -40,8 +40,8 @@ def count_distribution(name: str, batch: int, max_iters: int, seed: int = 0) -> 
     np.ndarray int32 [batch].
 
   Example:
-    >>> count_distribution("bimodal", 5, 64, seed=0)  # doctest: +SKIP
-    array([ 4, 64,  7,  2, 64], dtype=int32)
+    >>> count_distribution("bimodal", 5, 64, seed=0)
+    array([ 7, 64, 64,  3,  3], dtype=int32)
   """
   rng = np.random.default_rng(seed)
   t = max_iters

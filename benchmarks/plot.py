@@ -19,7 +19,13 @@ def speedup_plot(results: list[dict], path: str, title: str) -> None:
     title: the figure's title (say the device and whether pallas is interpreted).
 
   Example:
-    >>> speedup_plot(results, "benchmarks/speedup_cpu.png", "CPU, 2 cores")
+    >>> import os, tempfile
+    >>> from benchmarks import cases, harness
+    >>> results = harness.run_case(cases.Case("tanh_rnn", 8, 16, 2, "uniform"), ["xla"],
+    ...                            repeats=1)
+    >>> path = os.path.join(tempfile.mkdtemp(), "speedup.png")
+    >>> if have_matplotlib():  # the `bench` extra
+    ...   speedup_plot(results, path, "CPU, 2 cores")
   """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")

@@ -228,7 +228,9 @@ def forward(body, params, h0, x, counts, row_ids, halting, residual=True):
     >>> body = lambda p, h, x, t, rows: (2 * h, None)
     >>> forward(body, None, jnp.ones((3, 2)), None, jnp.array([1, 0, 2]),
     ...         jnp.arange(3, dtype=jnp.int32), None)[0]
-    Array([[2., 2.], [1., 1.], [4., 4.]], dtype=float32)
+    Array([[2., 2.],
+           [1., 1.],
+           [4., 4.]], dtype=float32)
   """
   batch = counts.shape[0]
   sizes = bucket_sizes(batch)

@@ -104,8 +104,13 @@ def observe_plans():
   so the plans of every backend appear, each once per trace.
 
   Example:
+    >>> import jax.numpy as jnp, pallas_loop
+    >>> f = lambda h: pallas_loop.iterate(lambda p, h, x: h * 0.5, None, h, max_iters=2,
+    ...                                   implementation="pallas", interpret=True)
     >>> with observe_plans() as seen:
-    ...   _ = jax.jit(f).lower(x)  # doctest: +SKIP
+    ...   _ = jax.jit(f).lower(jnp.ones((16, 8)))
+    >>> [(what, name) for what, name, _ in seen]
+    [('forward', 'interpret')]
   """
   seen: list = []
   _observers.append(seen.append)

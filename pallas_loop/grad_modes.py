@@ -42,8 +42,14 @@ class Full:
       per row). 1 keeps every state (the fastest, O(max_iters) memory).
 
   Example:
-    >>> pallas_loop.iterate(step, params, h0, iters=n, max_iters=256,
-    ...                     grad=pallas_loop.Full(checkpoint_every=32))
+    >>> import jax, jax.numpy as jnp, pallas_loop
+    >>> step = lambda w, h, x: jnp.tanh(h @ w + x)
+    >>> w, h0, x = 0.5 * jnp.eye(4), jnp.ones((3, 4)), jnp.zeros((3, 4))
+    >>> loss = lambda w: pallas_loop.iterate(
+    ...     step, w, h0, x, iters=jnp.array([1, 5, 64]), max_iters=64,
+    ...     grad=pallas_loop.Full(checkpoint_every=8)).sum()
+    >>> jax.grad(loss)(w).shape
+    (4, 4)
   """
 
   checkpoint_every: int | None = None
@@ -68,7 +74,14 @@ class Truncated:
     k: static int >= 1.
 
   Example:
-    >>> grads = jax.grad(loss)(params)  # loss calls iterate(..., grad=Truncated(8))
+    >>> import jax, jax.numpy as jnp, pallas_loop
+    >>> step = lambda w, h, x: jnp.tanh(h @ w + x)
+    >>> w, h0, x = 0.5 * jnp.eye(4), jnp.ones((3, 4)), jnp.zeros((3, 4))
+    >>> loss = lambda w: pallas_loop.iterate(
+    ...     step, w, h0, x, iters=jnp.array([1, 5, 64]), max_iters=64,
+    ...     grad=pallas_loop.Truncated(8)).sum()
+    >>> jax.grad(loss)(w).shape
+    (4, 4)
   """
 
   k: int
@@ -97,8 +110,13 @@ class Implicit:
       forward call's `max_iters`.
 
   Example:
-    >>> h = pallas_loop.iterate(f, params, h0, x, max_iters=100, tol=1e-5,
-    ...                         grad=pallas_loop.Implicit())
+    >>> import jax, jax.numpy as jnp, pallas_loop
+    >>> step = lambda w, h, x: jnp.tanh(h @ w + x)
+    >>> w, h0, x = 0.5 * jnp.eye(4), jnp.ones((3, 4)), jnp.zeros((3, 4))
+    >>> loss = lambda w: pallas_loop.iterate(
+    ...     step, w, h0, x, max_iters=100, tol=1e-5, grad=pallas_loop.Implicit()).sum()
+    >>> jax.grad(loss)(w).shape
+    (4, 4)
   """
 
   tol: float | None = None
@@ -133,8 +151,13 @@ class Phantom:
     k: static int >= 1.
 
   Example:
-    >>> h = pallas_loop.iterate(f, params, h0, x, iters=30, max_iters=30,
-    ...                         grad=pallas_loop.Phantom(5))
+    >>> import jax, jax.numpy as jnp, pallas_loop
+    >>> step = lambda w, h, x: jnp.tanh(h @ w + x)
+    >>> w, h0, x = 0.5 * jnp.eye(4), jnp.ones((3, 4)), jnp.zeros((3, 4))
+    >>> loss = lambda w: pallas_loop.iterate(
+    ...     step, w, h0, x, max_iters=30, grad=pallas_loop.Phantom(5)).sum()
+    >>> jax.grad(loss)(w).shape
+    (4, 4)
   """
 
   k: int

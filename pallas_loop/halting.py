@@ -39,6 +39,7 @@ def row_rms(tree) -> jax.Array:
     leaves together).
 
   Example:
+    >>> from pallas_loop import halting
     >>> halting.row_rms(jnp.array([[3.0, 4.0], [0.0, 0.0]]))
     Array([3.535534, 0.      ], dtype=float32)
   """
@@ -61,8 +62,13 @@ def relative_change(rtol: float, atol: float = 0.0) -> Criterion:
     A criterion for `iterate(..., halt=...)`.
 
   Example:
-    >>> h = pallas_loop.iterate(step, params, h0, x, iters=100, max_iters=100,
-    ...                         halt=pallas_loop.halting.relative_change(1e-3))
+    >>> import pallas_loop
+    >>> step = lambda w, h, x: 0.5 * h + x            # converges to 2x
+    >>> h0, x = jnp.zeros((2, 3)), jnp.ones((2, 3))
+    >>> h, info = pallas_loop.iterate(step, None, h0, x, max_iters=100, return_info=True,
+    ...                               halt=pallas_loop.halting.relative_change(1e-3))
+    >>> info.steps
+    Array([10, 10], dtype=int32)
   """
   if not (rtol >= 0 and atol >= 0):
     raise ValueError(f"{rtol=} and {atol=} must be >= 0.")
@@ -92,6 +98,7 @@ def below(score: Callable[[Any, Any, Any, Any], jax.Array], threshold: float) ->
     A criterion for `iterate(..., halt=...)`.
 
   Example:
+    >>> import jax, pallas_loop
     >>> def kl(params, h_new, h, x):         # successive softmax outputs
     ...   p, q = jax.nn.log_softmax(h_new @ params), jax.nn.log_softmax(h @ params)
     ...   return jnp.sum(jnp.exp(p) * (p - q), axis=-1)
@@ -116,7 +123,9 @@ def any_of(*criteria: Criterion) -> Criterion:
     A criterion: the elementwise OR of theirs.
 
   Example:
-    >>> halt = halting.any_of(halting.relative_change(1e-3), halting.below(kl, 1e-4))
+    >>> from pallas_loop import halting
+    >>> rms = lambda params, h_new, h, x: halting.row_rms(h_new - h)
+    >>> halt = halting.any_of(halting.relative_change(1e-3), halting.below(rms, 1e-4))
   """
   if not criteria:
     raise ValueError("any_of needs at least one criterion.")

@@ -22,9 +22,12 @@ class IterateInfo(NamedTuple):
       step budget) stopped the row, including on its last budgeted step.
 
   Example:
-    >>> h, info = pallas_loop.iterate(step, params, h0, iters=n, max_iters=8,
-    ...                               return_info=True)
+    >>> import jax.numpy as jnp, pallas_loop
+    >>> step = lambda params, h, x: h * 0.5
+    >>> h, info = pallas_loop.iterate(step, None, jnp.ones((3, 2)), max_iters=8,
+    ...                               iters=jnp.array([-1, 3, 20]), return_info=True)
     >>> info.steps      # == clip(n, 0, 8)
+    Array([0, 3, 8], dtype=int32)
   """
 
   steps: jax.Array

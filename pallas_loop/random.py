@@ -183,6 +183,7 @@ def key_data(key) -> jax.Array:
       other than (2,).
 
   Example:
+    >>> import jax, pallas_loop
     >>> pallas_loop.random.key_data(jax.random.key(0))
     Array([0, 0], dtype=uint32)
   """
@@ -253,6 +254,7 @@ def step_keys(data, rows, t) -> jax.Array:
     uint32 [R, 2]: one key per row, the `key` argument of the samplers.
 
   Example:
+    >>> import jax, jax.numpy as jnp, pallas_loop
     >>> data = pallas_loop.random.key_data(jax.random.key(0))
     >>> keys = pallas_loop.random.step_keys(
     ...     data, jnp.arange(4, dtype=jnp.int32)[:, None], jnp.zeros((4, 1), jnp.int32))
@@ -316,7 +318,11 @@ def fold_in(key, data) -> jax.Array:
     uint32 [R, 2]: row r is `threefry2x32(key[r], counter=(data, 1))`.
 
   Example:
-    >>> k2 = pallas_loop.random.fold_in(key, 1)
+    >>> import jax, jax.numpy as jnp, pallas_loop
+    >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
+    >>> h, w = jnp.ones((8, 4)), jnp.eye(4)
+    >>> pallas_loop.random.fold_in(key, 1).shape
+    (8, 2)
   """
   _check_key(key, (np.shape(key)[0] if np.ndim(key) else 0,))
   if isinstance(data, (bool, float)) or not (
@@ -382,7 +388,12 @@ def uniform(key, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
     `dtype` array of `shape`, values k * 2**-m for uniform k in [0, 2**m).
 
   Example:
+    >>> import jax, jax.numpy as jnp, pallas_loop
+    >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
+    >>> h, w = jnp.ones((8, 4)), jnp.eye(4)
     >>> noise = pallas_loop.random.uniform(key, h.shape)
+    >>> noise.shape, bool(((noise >= 0) & (noise < 1)).all())
+    ((8, 4), True)
   """
   shape = _check_key(key, shape)
   dt = _check_float_dtype(dtype)
@@ -413,7 +424,12 @@ def bernoulli(key, p, shape: Sequence[int]) -> jax.Array:
     the probability is p rounded up to a multiple of 2**-24).
 
   Example:
+    >>> import jax, jax.numpy as jnp, pallas_loop
+    >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
+    >>> h, w = jnp.ones((8, 4)), jnp.eye(4)
     >>> keep = pallas_loop.random.bernoulli(key, 0.9, h.shape)
+    >>> keep.shape, keep.dtype
+    ((8, 4), dtype('bool'))
   """
   shape = _check_key(key, shape)
   concrete = _concrete(p)
@@ -444,7 +460,12 @@ def normal(key, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
     `dtype` array of `shape`; |values| <= 5.77 (24-bit uniforms).
 
   Example:
+    >>> import jax, jax.numpy as jnp, pallas_loop
+    >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
+    >>> h, w = jnp.ones((8, 4)), jnp.eye(4)
     >>> h = h + 0.01 * pallas_loop.random.normal(key, h.shape, h.dtype)
+    >>> h.shape
+    (8, 4)
   """
   shape = _check_key(key, shape)
   dt = _check_float_dtype(dtype)
@@ -473,7 +494,12 @@ def dropout(key, x: jax.Array, rate: float) -> jax.Array:
     returns `x` itself.
 
   Example:
+    >>> import jax, jax.numpy as jnp, pallas_loop
+    >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
+    >>> h, w = jnp.ones((8, 4)), jnp.eye(4)
     >>> h = pallas_loop.random.dropout(key, jnp.tanh(h @ w), 0.1)
+    >>> h.shape
+    (8, 4)
   """
   x_dtype = jnp.result_type(x)
   if not jnp.issubdtype(x_dtype, jnp.floating):

@@ -94,7 +94,10 @@ def uniform(key, batch: int, lo, hi) -> jax.Array:
     int32 [batch].
 
   Example:
+    >>> import jax, pallas_loop
     >>> n = pallas_loop.sampling.uniform(jax.random.key(0), 32, 1, 100)  # stochastic depth
+    >>> n.shape, bool(((n >= 1) & (n <= 100)).all())
+    ((32,), True)
   """
   _check_key(key)
   batch = _static_int("batch", batch, 0)
@@ -126,7 +129,10 @@ def geometric(key, batch: int, *, p=None, mean=None, cap: int) -> jax.Array:
     int32 [batch], values in [1, cap].
 
   Example:
+    >>> import jax, pallas_loop
     >>> n = pallas_loop.sampling.geometric(jax.random.key(0), 32, mean=8.0, cap=64)
+    >>> n.shape, bool((n <= 64).all())
+    ((32,), True)
   """
   _check_key(key)
   batch = _static_int("batch", batch, 0)
@@ -164,8 +170,11 @@ def lognormal_poisson(key, batch: int, *, mean, sigma, cap: int) -> jax.Array:
     int32 [batch], values in [1, cap].
 
   Example:
+    >>> import jax, pallas_loop
     >>> n = pallas_loop.sampling.lognormal_poisson(jax.random.key(0), 32, mean=32, sigma=0.5,
     ...                                             cap=128)
+    >>> n.shape, bool((n <= 128).all())
+    ((32,), True)
   """
   _check_key(key)
   batch = _static_int("batch", batch, 0)
@@ -220,8 +229,11 @@ def truncated_split(key, batch: int, k, *, sampler: Callable[..., jax.Array] = l
     `Split(total, grad)`: int32 [batch] each, grad + no_grad == total.
 
   Example:
+    >>> import jax, pallas_loop
     >>> total, k_grad = pallas_loop.sampling.truncated_split(
     ...     jax.random.key(0), 32, 8, mean=32, sigma=0.5, cap=128)
+    >>> bool((k_grad <= total).all())
+    True
   """
   batch = _static_int("batch", batch, 0)
   k = _number("k", k, batch, integer=True, ok=lambda v: v >= 0, want=">= 0")

@@ -74,6 +74,7 @@ def default_tolerance(dtype) -> tuple[float, float]:
     scale).
 
   Example:
+    >>> import jax.numpy as jnp, pallas_loop
     >>> pallas_loop.testing.default_tolerance(jnp.float32)
     (0.0001, 1e-05)
   """
@@ -279,6 +280,7 @@ def check_against_reference(
       the max abs and max rel error.
 
   Example:
+    >>> import jax.numpy as jnp, pallas_loop
     >>> def step(params, h, x):
     ...   return jnp.tanh(h @ params["w"] + x)
     >>> params = {"w": 0.5 * jnp.eye(8)}
@@ -439,6 +441,7 @@ def check_row_independence(
     TypeError/ValueError: `step`'s output does not match `h`, or B < 2.
 
   Example:
+    >>> import jax.numpy as jnp, pallas_loop
     >>> step = lambda params, h, x: jnp.tanh(h @ params + x)
     >>> h, x = jnp.ones((8, 4)), jnp.zeros((8, 4))
     >>> pallas_loop.testing.check_row_independence(step, jnp.eye(4), h, x)

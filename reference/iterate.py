@@ -70,6 +70,7 @@ def iterate(
     The final state (and an `IterateInfo` with `return_info=True`).
 
   Example:
+    >>> import jax.numpy as jnp, reference
     >>> reference.iterate(lambda p, h, x: 2 * h, None, jnp.ones((3, 5)),
     ...                   iters=jnp.array([1, 2, 3]), max_iters=3)[:, 0]
     Array([2., 4., 8.], dtype=float32)

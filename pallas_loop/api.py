@@ -42,6 +42,7 @@ def iterate(
     block_rows: int | None = None,
     sort_rows: bool = True,
     return_info: bool = False,
+    per_example: bool = False,
 ):
   """Applies `step` to each row of `h0` its own number of times.
 
@@ -103,6 +104,11 @@ def iterate(
     sort_rows: order rows by descending count before tiling so each tile's
       rows finish together (results do not depend on it).
     return_info: also return an `IterateInfo`.
+    per_example: `step` is written for one row (`h` and `x` without the row
+      axis, and the key of that row), as optimistix and equinox users write
+      it; `iterate` vmaps it over the rows, so rows are independent by
+      construction (no `testing.check_row_independence` needed). `halt`
+      still sees all rows.
 
   Returns:
     The final state, with the structure, shapes and dtypes of `h0`; with
@@ -130,6 +136,8 @@ def iterate(
     # hoisted operands (an integer one: it gets no gradient).
     words = random_lib.key_data(key).reshape(1, 2)
     keys = lambda t, rows: random_lib.step_keys(words, rows, t)
+  if per_example:
+    step = step_fn_lib.vmapped(step, keyed=key is not None)
   body = step_fn_lib.with_halt(step, halt, keys)
   consts, (h_shape, flag_shape) = step_fn_lib.trace_step(body, params, h0, x)
   step_fn_lib.check_step_output(h_shape, h0)

@@ -276,6 +276,12 @@ def step_keys(data, rows, t) -> jax.Array:
   return _pair(x0, x1)
 
 
+def _one_row(key) -> bool:
+  """A single row's key (uint32 [2]): what a per-example step receives
+  (`iterate(..., per_example=True)`); its draws have no row axis."""
+  return tuple(np.shape(key)) == (2,)
+
+
 def _check_key(key, shape) -> tuple[int, ...]:
   """Validates a per-row key against `shape`; returns shape as a tuple."""
   key_shape = tuple(np.shape(key))
@@ -310,7 +316,7 @@ def fold_in(key, data) -> jax.Array:
   `dropout(fold_in(key, 0), a, r)`, `dropout(fold_in(key, 1), b, r)`.
 
   Args:
-    key: uint32 [R, 2] per-row key.
+    key: uint32 [R, 2] per-row key (or uint32 [2]: one row's, in a per-example step).
     data: a Python int in [0, 2**32), or an int32/uint32 array of shape () or
       [R, 1].
 
@@ -324,6 +330,8 @@ def fold_in(key, data) -> jax.Array:
     >>> pallas_loop.random.fold_in(key, 1).shape
     (8, 2)
   """
+  if _one_row(key):  # a per-example step's key
+    return fold_in(key[None], data)[0]
   _check_key(key, (np.shape(key)[0] if np.ndim(key) else 0,))
   if isinstance(data, (bool, float)) or not (
       isinstance(data, (int, np.integer)) or jnp.issubdtype(jnp.result_type(data), jnp.integer)):
@@ -380,7 +388,8 @@ def uniform(key, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
   """Uniform floats in [0, 1), one per element, per-row keys.
 
   Args:
-    key: uint32 [R, 2], the per-row key `step` receives.
+    key: uint32 [R, 2], the per-row key `step` receives (or uint32 [2], one row's
+      key in a per-example step: then `shape` has no row axis).
     shape: the output shape, row axis first (shape[0] == R), e.g. h.shape.
     dtype: float32 (24 random bits), bfloat16 (8) or float16 (11).
 
@@ -395,6 +404,8 @@ def uniform(key, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
     >>> noise.shape, bool(((noise >= 0) & (noise < 1)).all())
     ((8, 4), True)
   """
+  if _one_row(key):
+    return uniform(key[None], (1, *shape), dtype)[0]
   shape = _check_key(key, shape)
   dt = _check_float_dtype(dtype)
   word0, _ = _bits(key, shape)
@@ -413,7 +424,8 @@ def bernoulli(key, p, shape: Sequence[int]) -> jax.Array:
   """Booleans that are True with probability p, per-row keys.
 
   Args:
-    key: uint32 [R, 2], the per-row key `step` receives.
+    key: uint32 [R, 2], the per-row key `step` receives (or uint32 [2], one row's
+      key in a per-example step: then `shape` has no row axis).
     p: probability in [0, 1]: a Python float or a float array broadcastable
       to `shape` (e.g. [R, 1] for a per-row rate). Checked when concrete; a
       traced p outside [0, 1] acts as clipped (p < 0: never, p >= 1: always).
@@ -431,6 +443,8 @@ def bernoulli(key, p, shape: Sequence[int]) -> jax.Array:
     >>> keep.shape, keep.dtype
     ((8, 4), dtype('bool'))
   """
+  if _one_row(key):
+    return bernoulli(key[None], p, (1, *shape))[0]
   shape = _check_key(key, shape)
   concrete = _concrete(p)
   if concrete is not None:
@@ -452,7 +466,8 @@ def normal(key, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
   """Standard normal floats (Box-Muller in float32), per-row keys.
 
   Args:
-    key: uint32 [R, 2], the per-row key `step` receives.
+    key: uint32 [R, 2], the per-row key `step` receives (or uint32 [2], one row's
+      key in a per-example step: then `shape` has no row axis).
     shape: the output shape, row axis first (shape[0] == R).
     dtype: float32, bfloat16 or float16 (computed in float32, then cast).
 
@@ -467,6 +482,8 @@ def normal(key, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
     >>> h.shape
     (8, 4)
   """
+  if _one_row(key):
+    return normal(key[None], (1, *shape), dtype)[0]
   shape = _check_key(key, shape)
   dt = _check_float_dtype(dtype)
   word0, word1 = _bits(key, shape)
@@ -480,7 +497,8 @@ def dropout(key, x: jax.Array, rate: float) -> jax.Array:
   """Inverted dropout: zero each element with probability `rate`, scale the rest.
 
   Args:
-    key: uint32 [R, 2], the per-row key `step` receives.
+    key: uint32 [R, 2], the per-row key `step` receives (or uint32 [2], one row's
+      key in a per-example step: then `shape` has no row axis).
     x: float array [R, ...].
     rate: the drop probability, a concrete number in [0, 1) (a Python float,
       or a NumPy/JAX scalar known at trace time). A traced rate is rejected:
@@ -501,6 +519,8 @@ def dropout(key, x: jax.Array, rate: float) -> jax.Array:
     >>> h.shape
     (8, 4)
   """
+  if _one_row(key):
+    return dropout(key[None], jnp.asarray(x)[None], rate)[0]
   x_dtype = jnp.result_type(x)
   if not jnp.issubdtype(x_dtype, jnp.floating):
     raise TypeError(f"dropout needs a float x, got {x_dtype=}.")

@@ -38,6 +38,17 @@ def row_index_avals(h):
   return column, column
 
 
+def vmapped(step: Callable, keyed: bool) -> Callable:
+  """A per-example `step(params, h, x[, key])` as a step over rows (vmapped
+  over the leading axis of h, x and the per-row key; params shared)."""
+
+  def batched(params, h, x, *key):
+    in_axes = (None, 0, 0) + ((0,) if keyed else ())
+    return jax.vmap(step, in_axes=in_axes)(params, h, x, *key)
+
+  return batched
+
+
 def with_halt(step: Callable, halt: Callable | None,
               keys: Callable | None = None) -> Callable:
   """The loop body: `(params, h, x, t, rows) -> (h_new, flag)`.

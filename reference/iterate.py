@@ -35,6 +35,7 @@ def iterate(
     key: Any = None,
     grad: Any = "full",
     return_info: bool = False,
+    per_example: bool = False,
 ):
   """Applies `step` clip(iters[i], 0, max_iters) times to row i of `h0`.
 
@@ -65,6 +66,7 @@ def iterate(
       ones have their result `stop_gradient`-ed, so the gradient flows through
       the last k steps only (and reaches h0 only if the row applied <= k).
     return_info: also return an `IterateInfo`.
+    per_example: `step` is written for one row (vmapped over the rows here).
 
   Returns:
     The final state (and an `IterateInfo` with `return_info=True`).
@@ -75,6 +77,10 @@ def iterate(
     ...                   iters=jnp.array([1, 2, 3]), max_iters=3)[:, 0]
     Array([2., 4., 8.], dtype=float32)
   """
+  if per_example:
+    one_row = step
+    in_axes = (None, 0, 0) + ((0,) if key is not None else ())
+    step = lambda *args: jax.vmap(one_row, in_axes=in_axes)(*args)
   if type(grad).__name__ == "Truncated":
     # Which steps are the last k is known only once halting has run: find the
     # applied steps first (no gradient needed), then replay exactly them.

@@ -194,3 +194,37 @@ def test_scalar_iters_and_zero_max(impl, iters):
     want = reference.iterate(step, params, h0, x, iters=iters, max_iters=max_iters)
     oracle.assert_trees_close(got, want)
     np.testing.assert_array_equal(info.steps, np.full(5, np.clip(int(iters), 0, max_iters)))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_per_example_step_is_vmapped_over_rows(impl):
+  step, params, h0, x = blocks.make("gru", 19, 16)
+  one_row = lambda p, h, x_: step(p, h[None], x_[None])[0]   # written for one row
+  n = cases.counts("ragged", 19)
+  kw = dict(iters=n, max_iters=cases.MAX_ITERS, **cases.IMPLEMENTATIONS[impl])
+  got = pallas_loop.iterate(one_row, params, h0, x, per_example=True, **kw)
+  want = pallas_loop.iterate(step, params, h0, x, **kw)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  ref = reference.iterate(one_row, params, h0, x, iters=n, max_iters=cases.MAX_ITERS,
+                          per_example=True)
+  oracle.assert_trees_close(got, ref)
+  g = jax.grad(lambda p: cases.tree_sum(pallas_loop.iterate(
+      one_row, p, h0, x, per_example=True, **kw)))(params)
+  g_ref = jax.grad(lambda p: cases.tree_sum(reference.iterate(
+      one_row, p, h0, x, iters=n, max_iters=cases.MAX_ITERS, per_example=True)))(params)
+  oracle.assert_trees_close(g, g_ref, what="gradient")
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_per_example_step_gets_its_row_key(impl):
+  h0 = jnp.zeros((6, 16))
+  one_row = lambda p, h, x_, k: h + pallas_loop.random.uniform(k, h.shape)
+  kw = dict(iters=3, max_iters=3, key=jax.random.key(1))
+  got = pallas_loop.iterate(one_row, None, h0, per_example=True, **kw,
+                            **cases.IMPLEMENTATIONS[impl])
+  ref = reference.iterate(one_row, None, h0, per_example=True, **kw)
+  np.testing.assert_allclose(got, ref, rtol=1e-6)
+  # A row's draws depend only on its key: the same as the batched step's.
+  batched = pallas_loop.iterate(one_row, None, h0, **kw)  # the samplers take [R, 2] too
+  np.testing.assert_allclose(got, batched, rtol=1e-6)
+  assert np.unique(np.asarray(got), axis=0).shape[0] == 6   # rows drew differently

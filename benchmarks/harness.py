@@ -200,7 +200,12 @@ def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0) -> list[di
   if case.grad is not None:
     flops *= 3  # backward ~ 2x forward, plus the forward
   block_rows = pallas_block_rows(case.batch)
-  fns = {n: _make_fn(case, n, step, halting) for n in names}
+  fns, compile_seconds = {}, {}
+  for n in names:
+    # Lowering (tracing included) + compilation, as a user's first call pays.
+    start = time.perf_counter()
+    fns[n] = _make_fn(case, n, step, halting).lower(params, h0, x, iters).compile()
+    compile_seconds[n] = time.perf_counter() - start
   outs = {n: jax.block_until_ready(fn(params, h0, x, iters)) for n, fn in fns.items()}
   times = {n: [] for n in names}
   for _ in range(max(1, repeats)):
@@ -228,6 +233,7 @@ def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0) -> list[di
         max_iters=case.max_iters, counts=case.counts, dtype=case.dtype, tol=case.tol,
         grad=case.grad, impl=n, seconds=seconds, min_seconds=min(times[n]),
         max_error=err, ok=bool(err <= tol), ideal_speedup=ideal,
+        compile_seconds=compile_seconds[n],
         work_efficiency=useful * (2 if case.grad else 1) / max(computed, 1), useful_gflop=flops / 1e9,
         block_rows=block_rows if n == "pallas" else None))
   base = {r["impl"]: r["seconds"] for r in results}
@@ -251,7 +257,7 @@ def print_table(results: list[dict]) -> None:
           "(a correctness vehicle, not the compiled kernel's speed).")
   header = (f"{'case':56s} {'impl':18s} {'median ms':>10s} {'vs scan':>8s} "
             f"{'vs vmapW':>8s} {'ideal':>6s} {'of ideal':>8s} {'work eff':>8s} "
-            f"{'GFLOP/s':>8s} {'max err':>9s}")
+            f"{'GFLOP/s':>8s} {'max err':>9s} {'compile s':>9s}")
   print(header)
   print("-" * len(header))
   for r in results:
@@ -262,6 +268,7 @@ def print_table(results: list[dict]) -> None:
           f"{r['speedup_vs_masked_scan']:7.2f}x {vs_vmap} "
           f"{r['ideal_speedup']:5.2f}x {r['fraction_of_ideal']:8.2f} "
           f"{r['work_efficiency']:8.3f} {r['gflops']:8.2f} "
-          f"{r['max_error']:9.2e}{'' if r['ok'] else '  MISMATCH'}"
+          f"{r['max_error']:9.2e} {r.get('compile_seconds', float('nan')):9.2f}"
+          f"{'' if r['ok'] else '  MISMATCH'}"
           + (f"  {r['fraction_of_peak']:.3f} of bf16 peak"
              if r.get("fraction_of_peak") is not None else ""))

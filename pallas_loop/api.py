@@ -184,8 +184,7 @@ def _with_custom_vjp(forward, window, fn, mode, max_iters, iterate_options):
   def run_fwd(params, consts, h0, x, counts, row_ids, halting):
     out = forward(params, consts, h0, x, counts, row_ids, halting)
     saved = (params, consts, h0 if keeps_input else None, x, out[2], row_ids,
-             out[0] if keeps_output else None,
-             halting if isinstance(mode, grad_modes.Implicit) else None)
+             out[0] if keeps_output else None, halting)
     return out, saved
 
   def run_bwd(saved, cotangents):

@@ -93,7 +93,8 @@ def padded_bytes(shape: Sequence[int], dtype: str) -> int:
 
 
 def vmem_estimate(fp: footprint_lib.Footprint) -> int:
-  """Bytes of VMEM a program takes, an upper bound (compile report).
+  """Bytes of VMEM a program needs, estimated (not a bound: `configure`
+  asks for twice it, see there).
 
   Pallas double-buffers every block (the pipeline fetches the next tile's
   while this one runs), shared operands included; plus `_FIXED_SCRATCH` and
@@ -147,8 +148,8 @@ def _dot_problems(jaxpr) -> list[str]:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     if len(lc) < 2:
       continue
-    ranks = [len(v.aval.shape) for v in eqn.invars]
-    trailing = tuple(range(ranks[0] - len(lc), ranks[0]))
+    lhs_rank = len(eqn.invars[0].aval.shape)
+    trailing = tuple(range(lhs_rank - len(lc), lhs_rank))
     leading = tuple(range(len(rb), len(rb) + len(rc)))
     if lb or tuple(lc) != trailing or tuple(rc) != leading:
       shapes = [tuple(v.aval.shape) for v in eqn.invars]

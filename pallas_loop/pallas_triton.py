@@ -120,8 +120,7 @@ def num_warps(fp: footprint_lib.Footprint) -> int:
   return 4 if largest <= 8192 and fp.largest_row_value_bytes <= 4096 else 8
 
 
-def shared_memory_estimate(fp: footprint_lib.Footprint, on_chip: bool,
-                           warps: int = 8) -> int:
+def shared_memory_estimate(fp: footprint_lib.Footprint, on_chip: bool, warps: int) -> int:
   """Bytes of shared memory a program takes, an upper bound (compile report).
 
   Triton stages both operands of a dot in shared memory. Held on chip, every

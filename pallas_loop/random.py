@@ -326,7 +326,6 @@ def fold_in(key, data) -> jax.Array:
   Example:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
-    >>> h, w = jnp.ones((8, 4)), jnp.eye(4)
     >>> pallas_loop.random.fold_in(key, 1).shape
     (8, 2)
   """
@@ -399,7 +398,7 @@ def uniform(key, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
   Example:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
-    >>> h, w = jnp.ones((8, 4)), jnp.eye(4)
+    >>> h = jnp.ones((8, 4))
     >>> noise = pallas_loop.random.uniform(key, h.shape)
     >>> noise.shape, bool(((noise >= 0) & (noise < 1)).all())
     ((8, 4), True)
@@ -438,7 +437,7 @@ def bernoulli(key, p, shape: Sequence[int]) -> jax.Array:
   Example:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
-    >>> h, w = jnp.ones((8, 4)), jnp.eye(4)
+    >>> h = jnp.ones((8, 4))
     >>> keep = pallas_loop.random.bernoulli(key, 0.9, h.shape)
     >>> keep.shape, keep.dtype
     ((8, 4), dtype('bool'))
@@ -477,7 +476,7 @@ def normal(key, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
   Example:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
-    >>> h, w = jnp.ones((8, 4)), jnp.eye(4)
+    >>> h = jnp.ones((8, 4))
     >>> h = h + 0.01 * pallas_loop.random.normal(key, h.shape, h.dtype)
     >>> h.shape
     (8, 4)
@@ -498,7 +497,7 @@ def dropout(key, x: jax.Array, rate: float) -> jax.Array:
 
   Args:
     key: uint32 [R, 2], the per-row key `step` receives (or uint32 [2], one row's
-      key in a per-example step: then `shape` has no row axis).
+      key in a per-example step: then `x` has no row axis).
     x: float array [R, ...].
     rate: the drop probability, a concrete number in [0, 1) (a Python float,
       or a NumPy/JAX scalar known at trace time). A traced rate is rejected:

@@ -235,7 +235,7 @@ def run_worker(case: Case) -> dict:
   import warnings  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  from pallas_loop import dispatch  # pylint: disable=g-import-not-at-top
+  from pallas_loop._src import dispatch  # pylint: disable=g-import-not-at-top
 
   result: dict[str, Any] = {"case": dataclasses.asdict(case), "label": case.label}
   mesh = _topology_mesh(case)

@@ -46,7 +46,7 @@ from benchmarks import cases
 from benchmarks import grad_modes
 from benchmarks import harness
 from benchmarks import tiles
-from pallas_loop import rows
+from pallas_loop._src import tiling as rows
 
 CHECK_BLOCKS = ("tanh_rnn", "gru", "lstm", "residual_mlp_ln")
 

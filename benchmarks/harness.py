@@ -33,14 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_loop
-from pallas_loop import vjp_window
+from pallas_loop._src import loop_reverse as vjp_window
 import reference
 from benchmarks import blocks
 from benchmarks import cases
-from pallas_loop import backend as backend_lib
-from pallas_loop import buckets
-from pallas_loop import pallas_mosaic_tpu
-from pallas_loop import pallas_triton
+from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import xla_forward as buckets
+from pallas_loop._src import backend_mosaic_tpu as pallas_mosaic_tpu
+from pallas_loop._src import backend_triton as pallas_triton
 from pallas_loop import tuning
 
 

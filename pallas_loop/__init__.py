@@ -11,9 +11,9 @@ from pallas_loop import random
 from pallas_loop import sampling
 from pallas_loop import testing
 from pallas_loop import tuning
-from pallas_loop.api import iterate
-from pallas_loop.grad_modes import Full, Implicit, Phantom, Truncated
-from pallas_loop.info import IterateInfo
+from pallas_loop._src.iterate import iterate
+from pallas_loop._src.grad_modes import Full, Implicit, Phantom, Truncated
+from pallas_loop._src.info import IterateInfo
 
 __all__ = ["Full", "Implicit", "IterateInfo", "Phantom", "Truncated", "__version__",
            "halting", "iterate", "random", "sampling", "testing", "tuning"]

@@ -16,7 +16,7 @@ import jax
 from jax import tree_util
 import jax.numpy as jnp
 
-from pallas_loop import masking
+from pallas_loop._src import loop as masking
 
 Criterion = Callable[[Any, Any, Any, Any], jax.Array]
 

@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import reference
-from pallas_loop import api
-from pallas_loop import grad_modes
-from pallas_loop import step_fn as step_fn_lib
-from pallas_loop import validation
+from pallas_loop._src import iterate as api
+from pallas_loop._src import grad_modes
+from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src import validation
 
 __all__ = [
     "Comparison",

@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 
 import jax
 
-from pallas_loop import api
-from pallas_loop import backend as backend_lib
-from pallas_loop import validation
+from pallas_loop._src import iterate as api
+from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import validation
 
 
 class TuneResult(NamedTuple):

@@ -20,12 +20,12 @@ import pallas_loop
 import reference
 from benchmarks import blocks
 from benchmarks import compile_check
-from pallas_loop import backend as backend_lib
-from pallas_loop import dispatch
-from pallas_loop import footprint as footprint_lib
-from pallas_loop import jaxpr_eval
-from pallas_loop import pallas_mosaic_tpu
-from pallas_loop import pallas_triton
+from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import dispatch
+from pallas_loop._src import footprint as footprint_lib
+from pallas_loop._src import jaxpr_eval
+from pallas_loop._src import backend_mosaic_tpu as pallas_mosaic_tpu
+from pallas_loop._src import backend_triton as pallas_triton
 from tests import cases
 from tests import lowering
 from tests import oracle

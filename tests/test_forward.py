@@ -12,7 +12,7 @@ import pytest
 import pallas_loop
 import reference
 from benchmarks import blocks
-from pallas_loop import rows
+from pallas_loop._src import tiling as rows
 from tests import cases
 from tests import oracle
 

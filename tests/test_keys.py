@@ -18,7 +18,7 @@ import pytest
 import pallas_loop
 import reference
 from pallas_loop import random as plr
-from pallas_loop import rows as rows_lib
+from pallas_loop._src import tiling as rows_lib
 from tests import cases
 from tests import lowering
 from tests import oracle

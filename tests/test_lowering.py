@@ -16,8 +16,8 @@ import pytest
 import pallas_loop
 from benchmarks import blocks
 from benchmarks import cases as bench_cases
-from pallas_loop import bwd_kernel
-from pallas_loop import dispatch
+from pallas_loop._src import kernel_backward as bwd_kernel
+from pallas_loop._src import dispatch
 from tests import cases
 from tests import lowering
 from tests.test_forward import _mixed_rank_step

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import pallas_loop
 import reference
 from benchmarks import blocks
-from pallas_loop import rows
+from pallas_loop._src import tiling as rows
 from tests import cases
 from tests import oracle
 

@@ -67,7 +67,7 @@ def test_default_tolerance_by_dtype():
 
 def _corrupt_row(leaf_index, row, amount):
   """A wrapper of `iterate` that shifts one row of one output leaf (forward bug)."""
-  real = pallas_loop.api.iterate
+  real = pallas_loop.iterate
 
   @functools.wraps(real)  # keeps iterate's signature, which the check inspects
   def buggy(*args, **kw):
@@ -91,7 +91,7 @@ _double_grad_of_row_3.defvjp(lambda a: (a, None),
 def _corrupt_h0_gradient():
   """A wrapper of `iterate` whose forward is right but whose h0 gradient is
   doubled at row 3 (a backward bug the forward cannot show)."""
-  real = pallas_loop.api.iterate
+  real = pallas_loop.iterate
 
   @functools.wraps(real)
   def buggy(step, params, h0, x=None, **kw):
@@ -138,7 +138,7 @@ def test_detects_a_block_that_mixes_rows_in_the_kernel():
 
 def test_parameter_gradient_reports_element_indices(monkeypatch):
   step, params, h0, x = _problem("tanh_rnn")
-  real = pallas_loop.api.iterate
+  real = pallas_loop.iterate
 
   @jax.custom_vjp
   def bump(w):

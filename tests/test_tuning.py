@@ -11,9 +11,9 @@ import pytest
 from benchmarks import blocks
 from benchmarks import cases
 from benchmarks import harness
-from pallas_loop import backend as backend_lib
-from pallas_loop import pallas_mosaic_tpu
-from pallas_loop import pallas_triton
+from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import backend_mosaic_tpu as pallas_mosaic_tpu
+from pallas_loop._src import backend_triton as pallas_triton
 from pallas_loop import tuning
 
 

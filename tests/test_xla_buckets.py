@@ -17,8 +17,8 @@ import pytest
 import pallas_loop
 import reference
 from benchmarks import blocks
-from pallas_loop import backend as backend_lib
-from pallas_loop import buckets
+from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import xla_forward as buckets
 from tests import oracle
 
 T = 12

@@ -14,14 +14,14 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_loop import backward as backward_lib
-from pallas_loop import dispatch
-from pallas_loop import grad_modes
-from pallas_loop import info as info_lib
+from pallas_loop._src import backward as backward_lib
+from pallas_loop._src import dispatch
+from pallas_loop._src import grad_modes
+from pallas_loop._src import info as info_lib
 from pallas_loop import random as random_lib
-from pallas_loop import sharding
-from pallas_loop import step_fn as step_fn_lib
-from pallas_loop import validation
+from pallas_loop._src import sharding
+from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src import validation
 
 
 def iterate(

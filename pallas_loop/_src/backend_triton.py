@@ -14,9 +14,9 @@ import dataclasses
 from typing import Sequence
 import warnings
 
-from pallas_loop import backend as backend_lib
-from pallas_loop import footprint as footprint_lib
-from pallas_loop import jaxpr_eval
+from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import footprint as footprint_lib
+from pallas_loop._src import jaxpr_eval
 
 
 def _is_power_of_2(n: int) -> bool:

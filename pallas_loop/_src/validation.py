@@ -9,7 +9,7 @@ from jax import tree_util
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_loop import masking
+from pallas_loop._src import loop as masking
 
 IMPLEMENTATIONS = (None, "pallas", "xla")
 

@@ -29,12 +29,12 @@ from jax.experimental import pallas as pl
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_loop import backend as backend_lib
-from pallas_loop import footprint as footprint_lib
-from pallas_loop import jaxpr_eval
-from pallas_loop import kernel
-from pallas_loop import rows as rows_lib
-from pallas_loop import vjp_window
+from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import footprint as footprint_lib
+from pallas_loop._src import jaxpr_eval
+from pallas_loop._src import kernel_forward as kernel
+from pallas_loop._src import tiling as rows_lib
+from pallas_loop._src import loop_reverse as vjp_window
 
 KERNEL_NAME = "pallas_loop_iterate_bwd"
 

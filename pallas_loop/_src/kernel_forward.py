@@ -29,12 +29,12 @@ from jax.experimental import pallas as pl
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_loop import backend as backend_lib
-from pallas_loop import footprint as footprint_lib
-from pallas_loop import jaxpr_eval
-from pallas_loop import masking
-from pallas_loop import rows as rows_lib
-from pallas_loop import step_fn as step_fn_lib
+from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import footprint as footprint_lib
+from pallas_loop._src import jaxpr_eval
+from pallas_loop._src import loop as masking
+from pallas_loop._src import tiling as rows_lib
+from pallas_loop._src import step_fn as step_fn_lib
 
 
 def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_row,

@@ -19,7 +19,7 @@ import jax
 from jax import tree_util
 import numpy as np
 
-from pallas_loop import jaxpr_eval
+from pallas_loop._src import jaxpr_eval
 
 
 def _aval_of(tree):

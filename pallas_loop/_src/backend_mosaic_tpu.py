@@ -13,9 +13,9 @@ from typing import Sequence
 
 import numpy as np
 
-from pallas_loop import backend as backend_lib
-from pallas_loop import footprint as footprint_lib
-from pallas_loop import jaxpr_eval
+from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import footprint as footprint_lib
+from pallas_loop._src import jaxpr_eval
 
 
 def _block_problems(blocks: Sequence[backend_lib.Block]) -> list[str]:

@@ -196,7 +196,7 @@ def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[...
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from pallas_loop import sharding
+    >>> from pallas_loop._src import sharding
     >>> loop = lambda p, c, h, x, n, ids, halting: (h * p, h[:, 0], n, n > 0)
     >>> h, *_ = sharding.per_shard(loop)(2.0, [], jnp.ones((4, 3)), None,
     ...                                  jnp.ones(4, jnp.int32),

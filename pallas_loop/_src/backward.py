@@ -17,8 +17,8 @@ import jax
 from jax import tree_util
 import jax.numpy as jnp
 
-from pallas_loop import grad_modes
-from pallas_loop import masking
+from pallas_loop._src import grad_modes
+from pallas_loop._src import loop as masking
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ def phantom(mode: grad_modes.Phantom, ctx: Context, saved, g):
 
 
 def implicit(mode: grad_modes.Implicit, ctx: Context, saved, g):
-  from pallas_loop import api  # the adjoint solve is an iterate call
+  from pallas_loop._src import iterate as api  # the adjoint solve is an iterate call
 
   params, consts, _, x, steps, row_ids, h_star, halting = saved
   # Unless given, the adjoint solve halts like the forward and has its budget.

@@ -23,13 +23,13 @@ from jax.extend import core as jex_core
 from jax.interpreters import batching
 from jax.interpreters import mlir
 
-from pallas_loop import backend as backend_lib
-from pallas_loop import buckets
-from pallas_loop import bwd_kernel
-from pallas_loop import kernel
-from pallas_loop import pallas_mosaic_tpu
-from pallas_loop import pallas_triton
-from pallas_loop import vjp_window
+from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import xla_forward as buckets
+from pallas_loop._src import kernel_backward as bwd_kernel
+from pallas_loop._src import kernel_forward as kernel
+from pallas_loop._src import backend_mosaic_tpu as pallas_mosaic_tpu
+from pallas_loop._src import backend_triton as pallas_triton
+from pallas_loop._src import loop_reverse as vjp_window
 
 KERNEL_NAME = "pallas_loop_iterate_fwd"
 

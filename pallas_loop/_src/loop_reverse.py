@@ -35,9 +35,9 @@ from jax import lax
 from jax import tree_util
 import jax.numpy as jnp
 
-from pallas_loop import jaxpr_eval
-from pallas_loop import masking
-from pallas_loop import rows as rows_lib
+from pallas_loop._src import jaxpr_eval
+from pallas_loop._src import loop as masking
+from pallas_loop._src import tiling as rows_lib
 
 
 def default_every(window: int) -> int:

@@ -45,8 +45,8 @@ from jax import tree_util
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_loop import masking
-from pallas_loop import rows as rows_lib
+from pallas_loop._src import loop as masking
+from pallas_loop._src import tiling as rows_lib
 
 # The ladder: linear steps of ~B/LINEAR_STEPS rows (bounded waste per step),
 # then halving below the first step (bounded relative waste on the tail), no

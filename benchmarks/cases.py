@@ -145,7 +145,7 @@ def full_suite() -> tuple[Case, ...]:
 
 
 # (block, D) of the GPU suite whose backward runs the fused Triton kernel (its
-# weight gradients fit in registers, `pallas_triton.accumulator_problem`);
+# weight gradients fit in registers, `backend_triton.accumulator_problem`);
 # the others' backward is the XLA implementation, and "pallas" refuses it.
 GPU_BACKWARD_KERNEL = frozenset({("tanh_rnn", 128), ("gru", 128)})
 

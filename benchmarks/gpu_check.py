@@ -46,7 +46,6 @@ from benchmarks import cases
 from benchmarks import grad_modes
 from benchmarks import harness
 from benchmarks import tiles
-from pallas_loop._src import tiling as rows
 
 CHECK_BLOCKS = ("tanh_rnn", "gru", "lstm", "residual_mlp_ln")
 
@@ -72,7 +71,7 @@ def check_block(block: str, batch: int, d: int, max_iters: int, implementation) 
   fns = {"forward": lambda run: jax.jit(lambda p: forward(run, p)),
          "grad": lambda run: jax.jit(jax.grad(lambda p: loss(run, p)))}
   for what, make in fns.items():
-    with rows.poisoned_padding():
+    with pallas_loop.testing.poisoned_padding():
       fn = make(ours)
       start = time.perf_counter()
       compiled = fn.lower(params).compile()
@@ -109,7 +108,7 @@ def _items(args) -> Iterator[tuple[str, Callable[[], list[dict]]]]:
 
   def timing(case):
     def run():
-      with rows.poisoned_padding():
+      with pallas_loop.testing.poisoned_padding():
         lines = harness.run_case(case, None, repeats, seed=0)
       return [dict(r, item="timing") for r in lines]
     return run

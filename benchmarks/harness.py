@@ -33,15 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_loop
-from pallas_loop._src import loop_reverse as vjp_window
+from pallas_loop import tuning
+from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import backend_mosaic_tpu
+from pallas_loop._src import backend_triton
+from pallas_loop._src import xla_backward
+from pallas_loop._src import xla_forward
 import reference
 from benchmarks import blocks
 from benchmarks import cases
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import xla_forward as buckets
-from pallas_loop._src import backend_mosaic_tpu as pallas_mosaic_tpu
-from pallas_loop._src import backend_triton as pallas_triton
-from pallas_loop import tuning
 
 
 # Dense bf16 tensor-core peak (TFLOP/s) from the vendor's data sheet, not measured:
@@ -117,10 +117,41 @@ def pallas_block_rows(batch: int) -> int:
   """The kernel's default rows per tile on this machine's backend."""
   platform = jax.default_backend()
   if platform == "gpu":
-    return pallas_triton.TRITON.default_block_rows(batch)
+    return backend_triton.TRITON.default_block_rows(batch)
   if platform == "tpu":
-    return pallas_mosaic_tpu.MOSAIC_TPU.default_block_rows(batch)
+    return backend_mosaic_tpu.MOSAIC_TPU.default_block_rows(batch)
   return backend_lib.INTERPRET.default_block_rows(batch)
+
+
+def bucket_for(active: int, sizes: tuple[int, ...]) -> int:
+  """The ladder size a step with `active` running rows runs at (0 if none)."""
+  if active <= 0:
+    return 0
+  return min(s for s in sizes if s >= active)
+
+
+def bucketed_rows_computed(steps, sizes: tuple[int, ...] | None = None) -> int:
+  """Row-steps the bucketed loop computes, given each row's applied steps.
+
+  A row runs at trip t iff t < steps[row] (it stops for good once it stops),
+  so a_t = #{steps > t} rows run at trip t, on a bucket of `bucket_for(a_t)`
+  rows. Used by the benchmarks for the work efficiency.
+
+  Args:
+    steps: int [B], the steps each row applied (`IterateInfo.steps`).
+    sizes: the ladder (default `bucket_sizes(B)`).
+
+  Returns:
+    sum over trips t of the bucket size at t.
+  """
+  steps = np.asarray(steps).reshape(-1)
+  sizes = xla_forward.bucket_sizes(steps.size) if sizes is None else sizes
+  if steps.size == 0:
+    return 0
+  # a_t for t = 0 .. max-1: rows with steps > t.
+  hist = np.bincount(steps, minlength=int(steps.max()) + 1)
+  active = steps.size - np.cumsum(hist)[:-1]
+  return int(sum(bucket_for(int(a), sizes) for a in active))
 
 
 def rows_computed(impl: str, counts: np.ndarray, steps: np.ndarray, max_iters: int,
@@ -129,7 +160,7 @@ def rows_computed(impl: str, counts: np.ndarray, steps: np.ndarray, max_iters: i
 
   masked_scan: every row, every one of max_iters steps. vmap_while: every row
   until the slowest is done (a batched while_loop). xla: the bucketed stages
-  (`buckets.rows_computed`). pallas: each tile of `block_rows` rows, after
+  (`bucketed_rows_computed`). pallas: each tile of `block_rows` rows, after
   ordering by descending count, runs until its slowest row is done.
   """
   batch = counts.size
@@ -138,7 +169,7 @@ def rows_computed(impl: str, counts: np.ndarray, steps: np.ndarray, max_iters: i
   if impl == "vmap_while":
     return batch * int(steps.max(initial=0))
   if impl == "xla":
-    return buckets.rows_computed(steps)
+    return bucketed_rows_computed(steps)
   if impl == "pallas":
     order = np.argsort(-counts, kind="stable")
     s = steps[order]
@@ -223,7 +254,7 @@ def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0) -> list[di
       # steps per row and step, over row groups (XLA) or tiles (pallas)
       # ordered by count, each to its own largest count.
       group = (block_rows if n == "pallas" else
-               -(-case.batch // vjp_window.group_count(case.batch)))
+               -(-case.batch // xla_backward.group_count(case.batch)))
       computed += 2 * _grouped_row_steps(steps, group)
     elif case.grad is not None:  # autodiff of the scan: reverse over every step
       computed *= 2

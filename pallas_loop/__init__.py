@@ -2,18 +2,23 @@
 
 `iterate(step, params, h0, x, iters=..., max_iters=...)` runs `step` on each
 row of the state its own number of times, inside one Pallas kernel (Triton on
-GPU, Mosaic on TPU) or an XLA loop, differentiably. See README.md.
+GPU, Mosaic on TPU) or an XLA loop, differentiably.
+
+The public surface is what this module exports; everything under
+`pallas_loop._src` is internal and may change.
 """
 
 from pallas_loop._version import __version__
+# iterate, the gradient modes and IterateInfo first: `testing` imports the
+# `reference` package, which uses them.
+from pallas_loop._src.grad_modes import Full, Implicit, Phantom, Truncated
+from pallas_loop._src.info import IterateInfo
+from pallas_loop._src.iterate import iterate
 from pallas_loop import halting
 from pallas_loop import random
 from pallas_loop import sampling
 from pallas_loop import testing
 from pallas_loop import tuning
-from pallas_loop._src.iterate import iterate
-from pallas_loop._src.grad_modes import Full, Implicit, Phantom, Truncated
-from pallas_loop._src.info import IterateInfo
 
 __all__ = ["Full", "Implicit", "IterateInfo", "Phantom", "Truncated", "__version__",
            "halting", "iterate", "random", "sampling", "testing", "tuning"]

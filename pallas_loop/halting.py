@@ -16,7 +16,7 @@ import jax
 from jax import tree_util
 import jax.numpy as jnp
 
-from pallas_loop._src import loop as masking
+from pallas_loop._src import loop as loop_lib
 
 Criterion = Callable[[Any, Any, Any, Any], jax.Array]
 
@@ -28,7 +28,7 @@ def _row_sum(a: jax.Array) -> jax.Array:
   return a
 
 
-def row_rms(tree) -> jax.Array:
+def row_rms(tree: Any) -> jax.Array:
   """Root-mean-square over all elements of each row of `tree`, in float32.
 
   Args:
@@ -45,7 +45,7 @@ def row_rms(tree) -> jax.Array:
   """
   squares = sum(_row_sum(jnp.square(a.astype(jnp.float32)))
                 for a in tree_util.tree_leaves(tree))
-  return jnp.sqrt(squares * (1.0 / max(masking.elems_per_row(tree), 1)))
+  return jnp.sqrt(squares * (1.0 / max(loop_lib.elems_per_row(tree), 1)))
 
 
 def relative_change(rtol: float, atol: float = 0.0) -> Criterion:
@@ -73,7 +73,7 @@ def relative_change(rtol: float, atol: float = 0.0) -> Criterion:
   if not (rtol >= 0 and atol >= 0):
     raise ValueError(f"{rtol=} and {atol=} must be >= 0.")
 
-  def halt(params, h_new, h, x):
+  def halt(params: Any, h_new: Any, h: Any, x: Any) -> jax.Array:
     del params, x
     diff = tree_util.tree_map(lambda a, b: a.astype(jnp.float32) - b.astype(jnp.float32),
                               h_new, h)
@@ -105,7 +105,7 @@ def below(score: Callable[[Any, Any, Any, Any], jax.Array], threshold: float) ->
     >>> halt = pallas_loop.halting.below(kl, 1e-4)
   """
 
-  def halt(params, h_new, h, x):
+  def halt(params: Any, h_new: Any, h: Any, x: Any) -> jax.Array:
     s = score(params, h_new, h, x)
     return s.reshape(s.shape[0]) <= threshold
 
@@ -130,7 +130,7 @@ def any_of(*criteria: Criterion) -> Criterion:
   if not criteria:
     raise ValueError("any_of needs at least one criterion.")
 
-  def halt(params, h_new, h, x):
+  def halt(params: Any, h_new: Any, h: Any, x: Any) -> jax.Array:
     flags = [c(params, h_new, h, x) for c in criteria]
     out = flags[0]
     for f in flags[1:]:

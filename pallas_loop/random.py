@@ -55,12 +55,15 @@ independent draw within one step.
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_loop._src import validation
 
 __all__ = ["bernoulli", "dropout", "fold_in", "key_data", "normal", "step_keys",
            "threefry2x32", "uniform"]
@@ -83,7 +86,7 @@ _UNIT_BITS = {
 # Threefry-2x32, elementwise.
 
 
-def _u32(v) -> jax.Array:
+def _u32(v: ArrayLike) -> jax.Array:
   if isinstance(v, (int, np.integer)):
     return jnp.uint32(int(v))
   return jnp.asarray(v).astype(jnp.uint32)
@@ -94,7 +97,8 @@ def _rotate_left(x: jax.Array, r: int) -> jax.Array:
       x, jnp.full_like(x, 32 - r))
 
 
-def threefry2x32(k0, k1, c0, c1) -> tuple[jax.Array, jax.Array]:
+def threefry2x32(k0: ArrayLike, k1: ArrayLike, c0: ArrayLike,
+                 c1: ArrayLike) -> tuple[jax.Array, jax.Array]:
   """Threefry-2x32 (20 rounds): the keyed bijection of a 64-bit counter.
 
   Elementwise and broadcasting: every argument is a uint32 array (or Python
@@ -159,12 +163,12 @@ def _pair(a: jax.Array, b: jax.Array) -> jax.Array:
 # Keys.
 
 
-def _is_typed_key(key) -> bool:
+def _is_typed_key(key: Any) -> bool:
   dtype = getattr(key, "dtype", None)
   return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def key_data(key) -> jax.Array:
+def key_data(key: jax.Array) -> jax.Array:
   """The user's PRNG key as two uint32 words, the input of `step_keys`.
 
   Args:
@@ -225,7 +229,7 @@ def key_data(key) -> jax.Array:
   return jnp.stack([h0, h1])
 
 
-def _check_column(name: str, a, rows: int | None) -> jax.Array:
+def _check_column(name: str, a: ArrayLike, rows: int | None) -> jax.Array:
   shape = tuple(np.shape(a))
   if len(shape) != 2 or shape[1] != 1 or (rows is not None and shape[0] != rows):
     want = f"({rows}, 1)" if rows is not None else "(R, 1)"
@@ -236,7 +240,7 @@ def _check_column(name: str, a, rows: int | None) -> jax.Array:
   return jnp.asarray(a).astype(jnp.uint32)
 
 
-def step_keys(data, rows, t) -> jax.Array:
+def step_keys(data: jax.Array, rows: jax.Array, t: jax.Array) -> jax.Array:
   """Per-row keys for one step: row r gets `threefry2x32(data, (rows[r], t[r]))`.
 
   The key `iterate(..., key=k)` hands to `step` at step `t` (0-based) for the
@@ -276,13 +280,13 @@ def step_keys(data, rows, t) -> jax.Array:
   return _pair(x0, x1)
 
 
-def _one_row(key) -> bool:
+def _one_row(key: jax.Array) -> bool:
   """A single row's key (uint32 [2]): what a per-example step receives
   (`iterate(..., per_example=True)`); its draws have no row axis."""
   return tuple(np.shape(key)) == (2,)
 
 
-def _check_key(key, shape) -> tuple[int, ...]:
+def _check_key(key: jax.Array, shape: Sequence[int]) -> tuple[int, ...]:
   """Validates a per-row key against `shape`; returns shape as a tuple."""
   key_shape = tuple(np.shape(key))
   if len(key_shape) != 2 or key_shape[1] != 2:
@@ -308,7 +312,7 @@ def _check_key(key, shape) -> tuple[int, ...]:
   return shape
 
 
-def fold_in(key, data) -> jax.Array:
+def fold_in(key: jax.Array, data: ArrayLike) -> jax.Array:
   """A new per-row key from `key` and an integer, for another independent draw.
 
   Draws with `key` and with `fold_in(key, d)` (and with different `d`) are
@@ -352,7 +356,7 @@ def fold_in(key, data) -> jax.Array:
 # Samplers.
 
 
-def _bits(key, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+def _bits(key: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
   """Both Threefry words for every element of `shape`: counter (j, 0)."""
   rows = shape[0]
   # [R, 1] key columns, reshaped to broadcast against `shape`.
@@ -373,7 +377,7 @@ def _unit_float32(bits: jax.Array, m: int) -> jax.Array:
   return lax.bitcast_convert_type(top, jnp.int32).astype(jnp.float32) * np.float32(2.0**-m)
 
 
-def _check_float_dtype(dtype) -> jnp.dtype:
+def _check_float_dtype(dtype: DTypeLike) -> jnp.dtype:
   try:
     dt = jnp.dtype(dtype)
   except TypeError:
@@ -383,7 +387,7 @@ def _check_float_dtype(dtype) -> jnp.dtype:
   return dt
 
 
-def uniform(key, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
+def uniform(key: jax.Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32) -> jax.Array:
   """Uniform floats in [0, 1), one per element, per-row keys.
 
   Args:
@@ -411,15 +415,7 @@ def uniform(key, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
   return _unit_float32(word0, _UNIT_BITS[dt]).astype(dt)
 
 
-def _concrete(v) -> np.ndarray | None:
-  """v as a NumPy array if known at trace time, else None."""
-  try:
-    return np.asarray(v)
-  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-    return None
-
-
-def bernoulli(key, p, shape: Sequence[int]) -> jax.Array:
+def bernoulli(key: jax.Array, p: ArrayLike, shape: Sequence[int]) -> jax.Array:
   """Booleans that are True with probability p, per-row keys.
 
   Args:
@@ -445,7 +441,7 @@ def bernoulli(key, p, shape: Sequence[int]) -> jax.Array:
   if _one_row(key):
     return bernoulli(key[None], p, (1, *shape))[0]
   shape = _check_key(key, shape)
-  concrete = _concrete(p)
+  concrete = validation.concrete(p)
   if concrete is not None:
     if not jnp.issubdtype(concrete.dtype, jnp.number) or jnp.issubdtype(
         concrete.dtype, jnp.complexfloating):
@@ -461,7 +457,7 @@ def bernoulli(key, p, shape: Sequence[int]) -> jax.Array:
   return _unit_float32(word0, 24) < p.astype(jnp.float32)
 
 
-def normal(key, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
+def normal(key: jax.Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32) -> jax.Array:
   """Standard normal floats (Box-Muller in float32), per-row keys.
 
   Args:
@@ -492,7 +488,7 @@ def normal(key, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
   return (radius * jnp.cos(np.float32(2 * np.pi) * u2)).astype(dt)
 
 
-def dropout(key, x: jax.Array, rate: float) -> jax.Array:
+def dropout(key: jax.Array, x: jax.Array, rate: float) -> jax.Array:
   """Inverted dropout: zero each element with probability `rate`, scale the rest.
 
   Args:
@@ -523,7 +519,7 @@ def dropout(key, x: jax.Array, rate: float) -> jax.Array:
   x_dtype = jnp.result_type(x)
   if not jnp.issubdtype(x_dtype, jnp.floating):
     raise TypeError(f"dropout needs a float x, got {x_dtype=}.")
-  concrete = _concrete(rate)
+  concrete = validation.concrete(rate)
   if concrete is None:
     raise TypeError(
         "dropout's rate must be known at trace time (a Python float), got a traced "

@@ -18,14 +18,15 @@ split, so the total keeps the intended distribution.
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 import numpy as np
 
 from pallas_loop import random as prand
+from pallas_loop._src import validation
 
 __all__ = ["Split", "geometric", "lognormal_poisson", "truncated_split", "uniform"]
 
@@ -34,34 +35,14 @@ __all__ = ["Split", "geometric", "lognormal_poisson", "truncated_split", "unifor
 # Argument checks.
 
 
-def _check_key(key) -> None:
+def _check_key(key: jax.Array) -> None:
   prand.key_data(key)  # raises a TypeError/ValueError that says what to pass
 
 
-def _static_int(name: str, value, lowest: int) -> int:
-  if isinstance(value, bool):
-    raise TypeError(f"{name} must be a Python int >= {lowest}, got {value!r}.")
-  try:
-    v = operator.index(value)
-  except TypeError:
-    raise TypeError(f"{name} must be a static Python int >= {lowest}, got {value!r} of type "
-                    f"{type(value).__name__}.") from None
-  if v < lowest:
-    raise ValueError(f"{name}={v} must be >= {lowest}.")
-  return v
-
-
-def _concrete(v) -> np.ndarray | None:
-  try:
-    return np.asarray(v)
-  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-    return None
-
-
-def _number(name: str, value, batch: int, *, integer: bool, ok: Callable[[np.ndarray], Any],
-            want: str) -> jax.Array:
+def _number(name: str, value: ArrayLike, batch: int, *, integer: bool,
+            ok: Callable[[np.ndarray], Any], want: str) -> jax.Array:
   """A scalar or [batch] parameter; checked with `ok` when concrete."""
-  concrete = _concrete(value)
+  concrete = validation.concrete(value)
   if concrete is not None:
     kinds = (jnp.integer,) if integer else (jnp.integer, jnp.floating)
     if concrete.dtype == bool or not any(jnp.issubdtype(concrete.dtype, k) for k in kinds):
@@ -80,7 +61,7 @@ def _number(name: str, value, batch: int, *, integer: bool, ok: Callable[[np.nda
 # Samplers.
 
 
-def uniform(key, batch: int, lo, hi) -> jax.Array:
+def uniform(key: jax.Array, batch: int, lo: ArrayLike, hi: ArrayLike) -> jax.Array:
   """Counts uniform on the integers lo..hi, both included.
 
   P(n = j) = 1 / (hi - lo + 1) for lo <= j <= hi.
@@ -100,16 +81,17 @@ def uniform(key, batch: int, lo, hi) -> jax.Array:
     ((32,), True)
   """
   _check_key(key)
-  batch = _static_int("batch", batch, 0)
+  batch = validation.static_int("batch", batch, 0)
   lo = _number("lo", lo, batch, integer=True, ok=lambda v: v >= 0, want=">= 0")
   hi = _number("hi", hi, batch, integer=True, ok=lambda v: v < 2**31 - 1, want="< 2**31 - 1")
-  lo_c, hi_c = _concrete(lo), _concrete(hi)
+  lo_c, hi_c = validation.concrete(lo), validation.concrete(hi)
   if lo_c is not None and hi_c is not None and not np.all(lo_c <= hi_c):
     raise ValueError(f"lo must be <= hi, got lo={lo_c} and hi={hi_c}.")
   return jax.random.randint(key, (batch,), lo, hi + 1, dtype=jnp.int32)
 
 
-def geometric(key, batch: int, *, p=None, mean=None, cap: int) -> jax.Array:
+def geometric(key: jax.Array, batch: int, *, p: ArrayLike | None = None,
+              mean: ArrayLike | None = None, cap: int) -> jax.Array:
   """Geometric counts on 1, 2, ...: the PonderNet prior, capped.
 
   P(n = j) = (1 - p)**(j - 1) * p for j >= 1 (mean 1 / p), then n = min(n, cap):
@@ -135,14 +117,15 @@ def geometric(key, batch: int, *, p=None, mean=None, cap: int) -> jax.Array:
     ((32,), True)
   """
   _check_key(key)
-  batch = _static_int("batch", batch, 0)
-  cap = _static_int("cap", cap, 1)
+  batch = validation.static_int("batch", batch, 0)
+  cap = validation.static_int("cap", cap, 1)
   if (p is None) == (mean is None):
     raise TypeError("geometric takes exactly one of p= (success probability) or mean= (1 / p), "
                     f"got {p=} and {mean=}.")
   if p is not None:
     prob = _number("p", p, batch, integer=False, ok=lambda v: (v > 0) & (v <= 1), want="in (0, 1]")
   else:
+    assert mean is not None
     prob = 1.0 / _number("mean", mean, batch, integer=False, ok=lambda v: v >= 1, want=">= 1")
   u = 1.0 - jax.random.uniform(key, (batch,), jnp.float32)  # (0, 1]: log(u) is finite
   # p = 1 gives log(u) / -inf = -0: n = 1. Cap in float before the cast (no overflow).
@@ -150,7 +133,8 @@ def geometric(key, batch: int, *, p=None, mean=None, cap: int) -> jax.Array:
   return jnp.minimum(1.0 + failures, np.float32(cap)).astype(jnp.int32)
 
 
-def lognormal_poisson(key, batch: int, *, mean, sigma, cap: int) -> jax.Array:
+def lognormal_poisson(key: jax.Array, batch: int, *, mean: ArrayLike, sigma: ArrayLike,
+                      cap: int) -> jax.Array:
   """The log-normal Poisson depth of recurrent-depth pretraining, capped.
 
   tau ~ Normal(log(mean) - sigma**2 / 2, sigma), n = 1 + Poisson(exp(tau)),
@@ -177,8 +161,8 @@ def lognormal_poisson(key, batch: int, *, mean, sigma, cap: int) -> jax.Array:
     ((32,), True)
   """
   _check_key(key)
-  batch = _static_int("batch", batch, 0)
-  cap = _static_int("cap", cap, 1)
+  batch = validation.static_int("batch", batch, 0)
+  cap = validation.static_int("cap", cap, 1)
   mean = _number("mean", mean, batch, integer=False, ok=lambda v: v > 0, want="> 0")
   sigma = _number("sigma", sigma, batch, integer=False, ok=lambda v: v >= 0, want=">= 0")
   k_tau, k_poisson = jax.random.split(key)
@@ -203,8 +187,9 @@ class Split(NamedTuple):
     return self.total - self.grad
 
 
-def truncated_split(key, batch: int, k, *, sampler: Callable[..., jax.Array] = lognormal_poisson,
-                    **sampler_args) -> Split:
+def truncated_split(key: jax.Array, batch: int, k: ArrayLike, *,
+                    sampler: Callable[..., jax.Array] = lognormal_poisson,
+                    **sampler_args: Any) -> Split:
   """Samples each row's total depth, then splits it into (no-grad, grad) steps.
 
   total ~ sampler(key, batch, **sampler_args); grad = min(k, total);
@@ -235,7 +220,7 @@ def truncated_split(key, batch: int, k, *, sampler: Callable[..., jax.Array] = l
     >>> bool((k_grad <= total).all())
     True
   """
-  batch = _static_int("batch", batch, 0)
+  batch = validation.static_int("batch", batch, 0)
   k = _number("k", k, batch, integer=True, ok=lambda v: v >= 0, want=">= 0")
   if not callable(sampler):
     raise TypeError(f"sampler must be a callable sampler(key, batch, **args), got {sampler!r}.")

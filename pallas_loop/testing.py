@@ -16,23 +16,30 @@ Two functions, meant to be the first thing a user runs on their own `step`:
 
 Both raise `AssertionError` (so they read naturally inside a test) and return
 quietly otherwise; `check_against_reference` returns the measured errors.
+
+`poisoned_padding()` makes the kernels pad their tiles with NaN, so that a
+test shows any padded row reaching a result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
+from unittest import mock
 
 import jax
 from jax import tree_util
 import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
 import numpy as np
 
 import reference
-from pallas_loop._src import iterate as api
+from pallas_loop._src import iterate as iterate_lib
 from pallas_loop._src import grad_modes
 from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src import tiling
 from pallas_loop._src import validation
 
 __all__ = [
@@ -60,7 +67,7 @@ _ITERATE_ONLY = ("implementation", "interpret", "block_rows", "sort_rows", "grad
 _MAX_LISTED = 5  # rows / indices listed in a message before "..."
 
 
-def default_tolerance(dtype) -> tuple[float, float]:
+def default_tolerance(dtype: DTypeLike) -> tuple[float, float]:
   """The default `(rtol, atol)` the checks use for a leaf of `dtype`.
 
   Args:
@@ -154,12 +161,13 @@ class ReferenceCheck:
     return "\n".join(lines)
 
 
-def _to_f64(a) -> np.ndarray:
+def _to_f64(a: ArrayLike) -> np.ndarray:
   a = np.asarray(a)
   return a.astype(np.float64) if a.dtype != np.bool_ else a.astype(np.int64)
 
 
-def _compare(name, got, want, *, rtol, atol, by_row) -> Comparison:
+def _compare(name: str, got: Any, want: Any, *, rtol: float | None, atol: float | None,
+             by_row: bool) -> Comparison:
   """Elementwise comparison of two arrays; NaN == NaN, inf == inf."""
   dtype = np.dtype(want.dtype)
   if got.shape != want.shape or np.dtype(got.dtype) != dtype:
@@ -180,8 +188,9 @@ def _compare(name, got, want, *, rtol, atol, by_row) -> Comparison:
   max_abs = float(np.max(diff)) if diff.size else 0.0
   max_rel = float(np.max(rel)) if rel.size else 0.0
   if by_row and g.ndim >= 1:
-    bad_rows = np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1)) if g.size else []
-    listed = tuple(int(i) for i in bad_rows[:_MAX_LISTED])
+    bad_rows = (np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1)) if g.size
+                else np.zeros(0, np.int64))
+    listed: tuple = tuple(int(i) for i in bad_rows[:_MAX_LISTED])
     n_bad, n_total = len(bad_rows), g.shape[0]
   else:
     bad_idx = np.argwhere(bad)
@@ -192,10 +201,11 @@ def _compare(name, got, want, *, rtol, atol, by_row) -> Comparison:
                     listed, n_bad, n_total, by_row)
 
 
-def _compare_trees(prefix, got, want, *, rtol, atol, by_row) -> list[Comparison]:
+def _compare_trees(prefix: str, got: Any, want: Any, *, rtol: float | None,
+                   atol: float | None, by_row: bool) -> list[Comparison]:
   got_flat, got_tree = tree_util.tree_flatten_with_path(got)
   want_flat, want_tree = tree_util.tree_flatten_with_path(want)
-  if got_tree != want_tree:
+  if got_tree != want_tree:  # type: ignore[operator]
     raise AssertionError(f"{prefix}: pytree structure {got_tree} differs from the "
                          f"reference's {want_tree}.")
   out = []
@@ -207,11 +217,11 @@ def _compare_trees(prefix, got, want, *, rtol, atol, by_row) -> list[Comparison]
   return out
 
 
-def _cotangent(h0, seed: int):
+def _cotangent(h0: Any, seed: int) -> Any:
   """A random, seeded cotangent shaped like the output (float0 for non-floats)."""
   leaves, tree = tree_util.tree_flatten(h0)
   keys = jax.random.split(jax.random.key(seed), max(len(leaves), 1))
-  out = []
+  out: list[Any] = []
   for k, leaf in zip(keys, leaves):
     dtype = jnp.result_type(leaf)
     if jnp.issubdtype(dtype, jnp.inexact):
@@ -295,7 +305,7 @@ def check_against_reference(
   if "return_info" in options:
     raise TypeError("check_against_reference sets return_info itself; do not pass it.")
   ref_accepts = set(inspect.signature(reference.iterate).parameters)
-  iterate_accepts = set(inspect.signature(api.iterate).parameters)
+  iterate_accepts = set(inspect.signature(iterate_lib.iterate).parameters)
   unknown = sorted(set(options) - ref_accepts - iterate_accepts)
   if unknown:
     raise TypeError(f"unknown options {unknown}: neither pallas_loop.iterate nor "
@@ -303,24 +313,24 @@ def check_against_reference(
   options = {"implementation": "pallas", **options}
   shared = {k: v for k, v in options.items()
             if k in ref_accepts and k not in _ITERATE_ONLY}
-  grad_mode = options.get("grad", "full")
-  if isinstance(grad_mode, grad_modes.Truncated):
-    shared["grad"] = grad_mode  # the reference truncates with stop_gradient
-  exact_mode = (isinstance(grad_mode, (grad_modes.Full, grad_modes.Truncated))
-                or (isinstance(grad_mode, str) and grad_mode == "full"))
-  compare_grads = grads and exact_mode
+  # Gradients are compared where the reference computes the same ones ("full",
+  # or Truncated(k) by stop_gradient).
+  reference_grad = grad_modes.as_mode(options.get("grad", "full")).reference_grad()
+  if reference_grad is not None:
+    shared["grad"] = reference_grad
+  compare_grads = grads and reference_grad is not None
   halting = options.get("tol") is not None or options.get("halt") is not None
 
-  def impl(p, h, x_):
-    return api.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
+  def impl(p: Any, h: Any, x_: Any) -> Any:
+    return iterate_lib.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
                        return_info=True, **options)
 
-  def ref(p, h, x_):
+  def ref(p: Any, h: Any, x_: Any) -> Any:
     return reference.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
                              return_info=True, **shared)
 
-  def run(fn):
-    def with_grads(p, h, x_):
+  def run(fn: Callable[..., Any]) -> tuple[Any, Any, Any]:
+    def with_grads(p: Any, h: Any, x_: Any) -> tuple[Any, Any, Any]:
       out, vjp, info = jax.vjp(fn, p, h, x_, has_aux=True)
       return out, info, vjp(_cotangent(h, seed))
     if compare_grads:
@@ -354,11 +364,46 @@ def check_against_reference(
   return report
 
 
-def _take_rows(tree, rows):
-  return tree_util.tree_map(lambda a: jnp.asarray(a)[rows], tree)
+@contextlib.contextmanager
+def poisoned_padding() -> Iterator[None]:
+  """Inside, the tiles' padding rows are NaN (floats) / -1 (ints), not copies
+  of a real row, wherever the implementation does not need them finite.
+
+  A padded row's results are dropped, so nothing a caller sees may change;
+  a result that turns NaN shows a padded row leaking into a real one. (The
+  backward's padding stays finite: its zero cotangents times NaN would be
+  NaN by arithmetic, not by a leak.)
+
+  Example:
+    >>> import jax.numpy as jnp, pallas_loop
+    >>> with pallas_loop.testing.poisoned_padding():
+    ...   h = pallas_loop.iterate(lambda p, h, x: h + 1, None, jnp.zeros((5, 2)),
+    ...                           max_iters=2, implementation="pallas", block_rows=8)
+    >>> bool(jnp.all(h == 2))
+    True
+  """
+  finite_padding = tiling.pad_rows
+
+  def pad_rows(tree: Any, rows: int, *, must_be_finite: bool) -> Any:
+    if must_be_finite:
+      return finite_padding(tree, rows, must_be_finite=True)
+
+    def poison(a: jax.Array) -> jax.Array:
+      fill = jnp.nan if jnp.issubdtype(a.dtype, jnp.inexact) else -1
+      block = jnp.full((rows - a.shape[0],) + a.shape[1:], fill, a.dtype)
+      return jnp.concatenate([a, block], axis=0)
+
+    return tree_util.tree_map(poison, tree)
+
+  with mock.patch.object(tiling, "pad_rows", pad_rows):
+    yield
 
 
-def _perturb_row(tree, row: int, key):
+def _take_rows(tree: Any, rows: ArrayLike) -> Any:
+  return tiling.take_rows(tree, jnp.asarray(rows))
+
+
+def _perturb_row(tree: Any, row: int, key: jax.Array) -> Any:
   """`tree` with row `row` of every leaf changed (noise of the leaf's own scale)."""
   leaves, treedef = tree_util.tree_flatten(tree)
   keys = jax.random.split(key, max(len(leaves), 1))
@@ -378,7 +423,7 @@ def _perturb_row(tree, row: int, key):
   return tree_util.tree_unflatten(treedef, out)
 
 
-def _listed(indices, n_total: int) -> str:
+def _listed(indices: np.ndarray | Sequence[int], n_total: int) -> str:
   """The first few of `n_total` indices, then "..." if some were left out."""
   shown = ", ".join(str(int(i)) for i in list(indices)[:_MAX_LISTED])
   return shown + (", ..." if n_total > min(len(indices), _MAX_LISTED) else "")

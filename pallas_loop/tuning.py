@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 
-from pallas_loop._src import iterate as api
+from pallas_loop._src import iterate as iterate_lib
 from pallas_loop._src import backend as backend_lib
 from pallas_loop._src import validation
 
@@ -48,7 +48,8 @@ def default_candidates(batch: int) -> tuple[int, ...]:
   return tuple(1 << k for k in range(3, top.bit_length()))
 
 
-def median_seconds(fn, *args, repeats: int = 5, warmup: bool = True) -> float:
+def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int = 5,
+                   warmup: bool = True) -> float:
   """Median wall time of `fn(*args)`, blocking on its results.
 
   Args:
@@ -75,8 +76,9 @@ def median_seconds(fn, *args, repeats: int = 5, warmup: bool = True) -> float:
   return statistics.median(times)
 
 
-def tune_block_rows(step, params, h0, x=None, *, iters, max_iters: int,
-                    candidates=None, repeats: int = 5, **iterate_kwargs: Any) -> TuneResult:
+def tune_block_rows(step: Callable[..., Any], params: Any, h0: Any, x: Any = None, *,
+                    iters: Any, max_iters: int, candidates: Sequence[int] | None = None,
+                    repeats: int = 5, **iterate_kwargs: Any) -> TuneResult:
   """Times `iterate(implementation="pallas", block_rows=R)` for each candidate R.
 
   Each candidate is compiled once (`jax.jit`), run once to warm up, then
@@ -120,7 +122,7 @@ def tune_block_rows(step, params, h0, x=None, *, iters, max_iters: int,
     raise ValueError(f"candidates must be positive ints, got {candidates!r}")
   seconds, rejected = {}, {}
   for rows in candidates:
-    fn = jax.jit(lambda p, h, x_, n, rows=rows: api.iterate(
+    fn = jax.jit(lambda p, h, x_, n, rows=rows: iterate_lib.iterate(
         step, p, h, x_, iters=n, max_iters=max_iters, implementation="pallas",
         block_rows=rows, **iterate_kwargs))
     try:
@@ -132,4 +134,4 @@ def tune_block_rows(step, params, h0, x=None, *, iters, max_iters: int,
   if not seconds:
     reasons = "\n".join(f"  block_rows={r}: {why}" for r, why in rejected.items())
     raise ValueError(f"no block_rows candidate could run:\n{reasons}")
-  return TuneResult(best=min(seconds, key=seconds.get), seconds=seconds, rejected=rejected)
+  return TuneResult(best=min(seconds, key=lambda r: seconds[r]), seconds=seconds, rejected=rejected)

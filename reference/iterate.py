@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-# The per-(row, step) key derivation is public API: the oracle uses it too.
-import pallas_loop.random
+# The public API only: the gradient mode classes, IterateInfo and the
+# per-(row, step) key derivation (which the oracle shares by design).
+import pallas_loop
 
 
-class IterateInfo(NamedTuple):
-  """Per-row statistics, as in `pallas_loop.IterateInfo`."""
-
-  steps: jax.Array     # int32 [B]: steps applied
-  residual: jax.Array  # float32 [B]: rms of the last update, 0 if none
-  halted: jax.Array    # bool [B]: a criterion, not the budget, stopped the row
+# The same per-row statistics as the library's.
+IterateInfo = pallas_loop.IterateInfo
 
 
 def iterate(
@@ -60,9 +57,8 @@ def iterate(
       (key, i, t). A row applies its steps at t = 0, 1, ... (later steps
       are computed and discarded), so the j-th step a row applies (0-based)
       gets the key of (i, j) in every implementation.
-    grad: "full" (plain autodiff through the scan) or `Truncated(k)` (any
-      object of a class named Truncated with an int `k`, e.g.
-      `pallas_loop.Truncated(k)`): each row's steps before its last k applied
+    grad: "full" (plain autodiff through the scan) or
+      `pallas_loop.Truncated(k)`: each row's steps before its last k applied
       ones have their result `stop_gradient`-ed, so the gradient flows through
       the last k steps only (and reaches h0 only if the row applied <= k).
     return_info: also return an `IterateInfo`.
@@ -81,7 +77,7 @@ def iterate(
     one_row = step
     in_axes = (None, 0, 0) + ((0,) if key is not None else ())
     step = lambda *args: jax.vmap(one_row, in_axes=in_axes)(*args)
-  if type(grad).__name__ == "Truncated":
+  if isinstance(grad, pallas_loop.Truncated):
     # Which steps are the last k is known only once halting has run: find the
     # applied steps first (no gradient needed), then replay exactly them.
     _, info = iterate(step, params, h0, x, iters=iters, max_iters=max_iters, tol=tol,

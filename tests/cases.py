@@ -1,4 +1,4 @@
-"""Named count patterns, implementations and sizes shared by the tests."""
+"""Named count patterns, implementations, sizes and steps shared by the tests."""
 
 from __future__ import annotations
 
@@ -41,3 +41,13 @@ IMPLEMENTATIONS = {
 
 def tree_sum(tree):
   return sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(tree))
+
+
+def mixed_rank_step(params, state, x):
+  """State leaves of rank 1, 2 and 3; a 0-d parameter; x absent."""
+  scale, w = params
+  v, m, t = state
+  m_new = jnp.tanh(jnp.dot(m, w, preferred_element_type=jnp.float32)) * scale
+  v_new = 0.5 * v + jnp.sum(m_new, axis=1) * (1.0 / m.shape[1])
+  t_new = 0.9 * t + 0.1 * jnp.tanh(t)
+  return v_new, m_new, t_new

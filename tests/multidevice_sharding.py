@@ -231,7 +231,7 @@ def test_auto_axes_xla_implementation_warns_and_is_correct():
   s_h0, s_x, s_n = jax.device_put((h0, x, n), NamedSharding(mesh, P("rows")))
   f = jax.jit(lambda h, x_, n_: pallas_loop.iterate(
       _step, params, h, x_, iters=n_, max_iters=MAX_ITERS, implementation="xla"))
-  pallas_loop._src.sharding._warned.clear()
+  pallas_loop._src.notices._warned.clear()
   with pytest.warns(UserWarning, match="Auto axes.*XLA implementation.*every device"):
     got = f(s_h0, s_x, s_n)
   oracle.assert_trees_close(

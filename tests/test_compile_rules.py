@@ -22,10 +22,11 @@ from benchmarks import blocks
 from benchmarks import compile_check
 from pallas_loop._src import backend as backend_lib
 from pallas_loop._src import dispatch
+from pallas_loop._src import notices
 from pallas_loop._src import footprint as footprint_lib
 from pallas_loop._src import jaxpr_eval
-from pallas_loop._src import backend_mosaic_tpu as pallas_mosaic_tpu
-from pallas_loop._src import backend_triton as pallas_triton
+from pallas_loop._src import backend_mosaic_tpu
+from pallas_loop._src import backend_triton
 from tests import cases
 from tests import lowering
 from tests import oracle
@@ -93,12 +94,12 @@ def test_weights_that_do_not_fit_together_are_re_read():
   assert fwd.shared_on_chip and not bwd.shared_on_chip
   assert fwd.estimate["num_warps"] == 8
   for c in (fwd, bwd):
-    assert c.estimate["shared_memory_bytes"] <= pallas_triton.gpu("NVIDIA H200").shared_memory
+    assert c.estimate["shared_memory_bytes"] <= backend_triton.gpu("NVIDIA H200").shared_memory
     assert c.prefer_xla is None
 
 
 def test_large_weight_gradient_falls_back_with_the_reason():
-  dispatch._warned.clear()
+  notices._warned.clear()
   plans, text, caught = _plans("tanh_rnn", 256, "bfloat16", grad=True)
   assert plans["forward"].config is not None and not plans["forward"].problems
   assert plans["backward"].config is None
@@ -113,7 +114,7 @@ def test_large_weight_gradient_is_rejected_before_compiling():
 
 
 def test_cost_model_prefers_xla_when_every_tile_re_reads_large_weights():
-  dispatch._warned.clear()
+  notices._warned.clear()
   plans, text, caught = _plans("tanh_rnn", 512, "float32", grad=False)
   config = plans["forward"].config
   assert not config.shared_on_chip and config.prefer_xla
@@ -133,10 +134,10 @@ def test_no_configuration_fits_a_dot_too_big_to_stage():
 
 
 def test_unknown_gpus_get_the_smallest_shared_memory():
-  assert pallas_triton.gpu("NVIDIA H200").shared_memory == 232448
-  assert pallas_triton.gpu("NVIDIA A100-SXM4-80GB").shared_memory == 166912
-  assert pallas_triton.gpu("NVIDIA GeForce RTX 4090").shared_memory == 101376
-  assert pallas_triton.gpu(None) == pallas_triton.gpu("some new GPU")
+  assert backend_triton.gpu("NVIDIA H200").shared_memory == 232448
+  assert backend_triton.gpu("NVIDIA A100-SXM4-80GB").shared_memory == 166912
+  assert backend_triton.gpu("NVIDIA GeForce RTX 4090").shared_memory == 101376
+  assert backend_triton.gpu(None) == backend_triton.gpu("some new GPU")
 
 
 # --- the TPU: 1-D parameters, advice -------------------------------------------
@@ -151,8 +152,8 @@ def test_tpu_backward_of_a_1d_bias_lowers():
 def test_mosaic_advice_names_the_axis_block_rows_cannot_fix():
   rows = backend_lib.Block("h", (12, 128), (48, 128), row_axis=0)
   shared = backend_lib.Block("gradient", (1, 4, 128), (4, 12, 128), row_axis=None)
-  (row_problem,) = pallas_mosaic_tpu._block_problems([rows])
-  (shared_problem,) = pallas_mosaic_tpu._block_problems([shared])
+  (row_problem,) = backend_mosaic_tpu._block_problems([rows])
+  (shared_problem,) = backend_mosaic_tpu._block_problems([shared])
   assert "choose block_rows a multiple of 8" in row_problem
   assert "block_rows cannot fix it" in shared_problem
 
@@ -246,13 +247,13 @@ def test_verdicts():
 # --- the Mosaic rule -------------------------------------------------------------
 
 def test_vmem_padding():
-  assert pallas_mosaic_tpu.padded_bytes((128, 1), "int32") == 128 * 128 * 4
-  assert pallas_mosaic_tpu.padded_bytes((1, 100), "float32") == 8 * 128 * 4
-  assert pallas_mosaic_tpu.padded_bytes((100,), "float32") == 8 * 128 * 4
-  assert pallas_mosaic_tpu.padded_bytes((2, 8, 128), "bfloat16") == 2 * 16 * 128 * 2
-  assert pallas_mosaic_tpu.vmem("TPU v5 lite") == (16 << 20, 128 << 20)
-  assert pallas_mosaic_tpu.vmem("TPU v6 lite") == (32 << 20, 128 << 20)
-  assert pallas_mosaic_tpu.vmem("TPU v9") == (16 << 20, 16 << 20)
+  assert backend_mosaic_tpu.padded_bytes((128, 1), "int32") == 128 * 128 * 4
+  assert backend_mosaic_tpu.padded_bytes((1, 100), "float32") == 8 * 128 * 4
+  assert backend_mosaic_tpu.padded_bytes((100,), "float32") == 8 * 128 * 4
+  assert backend_mosaic_tpu.padded_bytes((2, 8, 128), "bfloat16") == 2 * 16 * 128 * 2
+  assert backend_mosaic_tpu.vmem("TPU v5 lite") == (16 << 20, 128 << 20)
+  assert backend_mosaic_tpu.vmem("TPU v6 lite") == (32 << 20, 128 << 20)
+  assert backend_mosaic_tpu.vmem("TPU v9") == (16 << 20, 16 << 20)
 
 
 def test_mosaic_raises_the_vmem_limit_where_the_blocks_need_it():
@@ -297,7 +298,7 @@ def test_mosaic_names_the_dots_it_would_abort_on():
   aborts = [((8, 64, 16), (32, 8, 64), (((0, 1), (1, 2)), none)),  # libtpu 0.0.48.1 aborts
             ((16, 8, 64), (16, 8, 64), (((1, 2), (1, 2)), ((0,), (0,))))]
   for lhs, rhs, dims in fine:
-    assert not pallas_mosaic_tpu._dot_problems(dot(lhs, rhs, dims))
+    assert not backend_mosaic_tpu._dot_problems(dot(lhs, rhs, dims))
   for lhs, rhs, dims in aborts:
-    (problem,) = pallas_mosaic_tpu._dot_problems(dot(lhs, rhs, dims))
+    (problem,) = backend_mosaic_tpu._dot_problems(dot(lhs, rhs, dims))
     assert "Mosaic TPU aborts on a dot" in problem

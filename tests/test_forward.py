@@ -12,7 +12,6 @@ import pytest
 import pallas_loop
 import reference
 from benchmarks import blocks
-from pallas_loop._src import tiling as rows
 from tests import cases
 from tests import oracle
 
@@ -96,7 +95,7 @@ def test_padding_never_leaks(impl):
   """Padded rows poisoned with NaN must not reach any real row."""
   step, params, h0, x = blocks.make("tanh_rnn", 13, 16)
   n = cases.counts("ragged", 13)
-  with rows.poisoned_padding():
+  with pallas_loop.testing.poisoned_padding():
     got = pallas_loop.iterate(step, params, h0, x, iters=n, max_iters=cases.MAX_ITERS,
                               block_rows=8, **cases.IMPLEMENTATIONS[impl])
   assert np.all(np.isfinite(got))
@@ -119,16 +118,6 @@ def test_rows_with_zero_count_are_not_read(impl):
   oracle.assert_trees_close(got[~dead], want[~dead])
 
 
-def _mixed_rank_step(params, state, x):
-  """State leaves of rank 1, 2 and 3; a 0-d parameter; x absent."""
-  scale, w = params
-  v, m, t = state
-  m_new = jnp.tanh(jnp.dot(m, w, preferred_element_type=jnp.float32)) * scale
-  v_new = 0.5 * v + jnp.sum(m_new, axis=1) * (1.0 / m.shape[1])
-  t_new = 0.9 * t + 0.1 * jnp.tanh(t)
-  return v_new, m_new, t_new
-
-
 @pytest.mark.parametrize("impl", ALL_IMPLS)
 def test_mixed_rank_leaves_scalar_param_no_x(impl):
   batch = 21
@@ -138,9 +127,9 @@ def test_mixed_rank_leaves_scalar_param_no_x(impl):
            jax.random.normal(k[3], (batch, 4, 16)))
   n = cases.counts("ragged", batch)
   kw = dict(iters=n, max_iters=cases.MAX_ITERS)
-  got = pallas_loop.iterate(_mixed_rank_step, params, state, block_rows=8, **kw,
+  got = pallas_loop.iterate(cases.mixed_rank_step, params, state, block_rows=8, **kw,
                             **cases.IMPLEMENTATIONS[impl])
-  oracle.assert_trees_close(got, reference.iterate(_mixed_rank_step, params, state, **kw))
+  oracle.assert_trees_close(got, reference.iterate(cases.mixed_rank_step, params, state, **kw))
 
 
 @pytest.mark.parametrize("impl", ALL_IMPLS)

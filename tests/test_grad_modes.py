@@ -228,3 +228,25 @@ def test_unknown_grad_mode_is_rejected():
   with pytest.raises(ValueError, match="Truncated"):
     pallas_loop.iterate(lambda p, h, x: h, None, jnp.ones((2, 4)), iters=1, max_iters=2,
                         grad="truncated")
+
+
+@pytest.mark.parametrize("impl", tuple(cases.IMPLEMENTATIONS))
+@pytest.mark.parametrize("grad", ["full", pallas_loop.Truncated(2), pallas_loop.Implicit(),
+                                  pallas_loop.Phantom(2)], ids=repr)
+def test_empty_batch(impl, grad):
+  """B = 0: every implementation and mode returns empty results and zero
+  parameter gradients (the kernels still compile one tile, of padding)."""
+  w = 0.5 * jnp.eye(4)
+  step = lambda w, h, x: jnp.tanh(h @ w + x)
+  empty = jnp.zeros((0, 4))
+
+  def loss(w, h0, x):
+    h, info = pallas_loop.iterate(step, w, h0, x, iters=jnp.zeros(0, jnp.int32), max_iters=3,
+                                  tol=1e-3, grad=grad, return_info=True,
+                                  **cases.IMPLEMENTATIONS[impl])
+    assert h.shape == (0, 4) and info.steps.shape == (0,) and info.halted.shape == (0,)
+    return jnp.sum(h)
+
+  g_w, g_h0, g_x = jax.grad(loss, argnums=(0, 1, 2))(w, empty, empty)
+  np.testing.assert_array_equal(g_w, np.zeros((4, 4)))
+  assert g_h0.shape == (0, 4) and g_x.shape == (0, 4)

@@ -18,7 +18,6 @@ import pytest
 import pallas_loop
 import reference
 from pallas_loop import random as plr
-from pallas_loop._src import tiling as rows_lib
 from tests import cases
 from tests import lowering
 from tests import oracle
@@ -46,7 +45,7 @@ def test_keyed_step_matches_reference(impl, tiling):
   key = jax.random.key(7)
   kw = dict(iters=n, max_iters=cases.MAX_ITERS, key=key)
   extra = tiling if impl != "xla" else {}
-  with rows_lib.poisoned_padding():
+  with pallas_loop.testing.poisoned_padding():
     got = pallas_loop.iterate(noisy_dropout_step, w, h0, x, **kw, **cases.IMPLEMENTATIONS[impl],
                               **extra)
   oracle.assert_trees_close(got, reference.iterate(noisy_dropout_step, w, h0, x, **kw))

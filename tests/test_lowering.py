@@ -16,11 +16,11 @@ import pytest
 import pallas_loop
 from benchmarks import blocks
 from benchmarks import cases as bench_cases
-from pallas_loop._src import kernel_backward as bwd_kernel
-from pallas_loop._src import dispatch
+from pallas_loop._src import kernel_backward
+from pallas_loop._src import kernel_forward
+from pallas_loop._src import notices
 from tests import cases
 from tests import lowering
-from tests.test_forward import _mixed_rank_step
 
 PLATFORMS = ("cuda", "tpu")
 
@@ -44,17 +44,17 @@ def test_kernel_lowers(platform, block, dtype):
   for fn in (f, _fwd_bwd(f)):
     text = lowering.export_text(fn, params, h0, x, n, platform=platform)
     assert lowering.kernel_marker(platform) in text
-    assert dispatch.KERNEL_NAME in text
+    assert kernel_forward.KERNEL_NAME in text
   # The backward is the fused kernel too, in every gradient mode that runs
   # steps backwards (Implicit's adjoint solve is an iterate: its forward kernel).
   for mode in ("full", pallas_loop.Truncated(3), pallas_loop.Phantom(2)):
     fn = _fwd_bwd(_compiled(step, implementation="pallas", interpret=False, grad=mode))
     text = lowering.export_text(fn, params, h0, x, n, platform=platform)
-    assert bwd_kernel.KERNEL_NAME in text, mode
+    assert kernel_backward.KERNEL_NAME in text, mode
   fn = _fwd_bwd(_compiled(step, implementation="pallas", interpret=False,
                           grad=pallas_loop.Implicit(max_iters=4)))
   text = lowering.export_text(fn, params, h0, x, n, platform=platform)
-  assert text.count(dispatch.KERNEL_NAME) >= 2 and bwd_kernel.KERNEL_NAME not in text
+  assert text.count(kernel_forward.KERNEL_NAME) >= 2 and kernel_backward.KERNEL_NAME not in text
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -63,7 +63,7 @@ def test_mixed_rank_leaves_and_scalar_params_lower(platform):
   params = (jnp.float32(0.8), jnp.ones((16, 16)) * 0.1)
   state = (jnp.ones((batch,)), jnp.ones((batch, 16)), jnp.ones((batch, 4, 16)))
   n = jnp.arange(batch, dtype=jnp.int32) % 5
-  f = lambda p, s, n: pallas_loop.iterate(_mixed_rank_step, p, s, iters=n, max_iters=4,
+  f = lambda p, s, n: pallas_loop.iterate(cases.mixed_rank_step, p, s, iters=n, max_iters=4,
                                           implementation="pallas", interpret=False,
                                           block_rows=32 if platform == "tpu" else 16)
   text = lowering.export_text(f, params, state, n, platform=platform)
@@ -92,7 +92,7 @@ def test_auto_falls_back_with_one_warning():
   step, params, h0, x = blocks.make("tanh_rnn", 64, 24)
   n = jnp.arange(64, dtype=jnp.int32) % 9
   f = _compiled(step)  # implementation=None
-  dispatch._warned.clear()
+  notices._warned.clear()
   with pytest.warns(UserWarning, match=r"power-of-2.*using the XLA implementation"):
     text = lowering.export_text(f, params, h0, x, n, platform="cuda")
   assert lowering.kernel_marker("cuda") not in text
@@ -113,7 +113,7 @@ def test_auto_on_cpu_is_xla():
   step, params, h0, x = blocks.make("tanh_rnn", 64, 16)
   n = jnp.arange(64, dtype=jnp.int32) % 9
   text = jax.jit(_compiled(step)).lower(params, h0, x, n).as_text()
-  assert dispatch.KERNEL_NAME not in text
+  assert kernel_forward.KERNEL_NAME not in text
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -142,14 +142,14 @@ def test_gpu_suite_shapes_lower_with_the_default_tile(block, d):
   So `benchmarks/gpu_check.py` times the kernel, not a fallback, when a GPU is lent.
   (The residual MLP's [1024, 256] weight at D=256 fits only re-read in K chunks.)
   The backward kernel runs where its weight gradients fit in registers
-  (`pallas_triton.accumulator_problem`: [128, 128] does, [256, 256] and the
+  (`backend_triton.accumulator_problem`: [128, 128] does, [256, 256] and the
   residual MLP's [128, 512] do not); elsewhere "pallas" refuses up front.
   """
   step, params, h0, x = blocks.make(block, 4096, d, jnp.bfloat16)
   n = jnp.arange(4096, dtype=jnp.int32) % 9
   f = _compiled(step, implementation="pallas", interpret=False)
   text = lowering.export_text(f, params, h0, x, n, platform="cuda")
-  assert lowering.kernel_marker("cuda") in text and dispatch.KERNEL_NAME in text
+  assert lowering.kernel_marker("cuda") in text and kernel_forward.KERNEL_NAME in text
   if (block, d) in bench_cases.GPU_BACKWARD_KERNEL:
     text = lowering.export_text(_fwd_bwd(f), params, h0, x, n, platform="cuda")
     assert text.count(lowering.kernel_marker("cuda")) >= 2

@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import pallas_loop
 import reference
 from benchmarks import blocks
-from pallas_loop._src import tiling as rows
 from tests import cases
 from tests import oracle
 
@@ -44,7 +43,7 @@ def _check(p):
   kw = dict(iters=jnp.asarray(p["counts"]), max_iters=p["max_iters"])
   if p["dtype"] == jnp.float32 and p["tol"] is not None:
     kw["tol"] = p["tol"]
-  with rows.poisoned_padding():
+  with pallas_loop.testing.poisoned_padding():
     got, info = pallas_loop.iterate(step, params, h0, x, block_rows=p["block_rows"],
                                     sort_rows=p["sort_rows"], return_info=True,
                                     **kw, **cases.IMPLEMENTATIONS[p["impl"]])

@@ -102,7 +102,7 @@ def _corrupt_h0_gradient():
 
 def test_detects_forward_difference_names_leaf_and_row(monkeypatch):
   step, params, h0, x = _problem("lstm")
-  monkeypatch.setattr(testing.api, "iterate", _corrupt_row(1, 6, 0.5))
+  monkeypatch.setattr(testing.iterate_lib, "iterate", _corrupt_row(1, 6, 0.5))
   with pytest.raises(AssertionError) as e:
     testing.check_against_reference(step, params, h0, x, iters=COUNTS, max_iters=MAX_ITERS,
                                     implementation="xla", grads=False)
@@ -114,7 +114,7 @@ def test_detects_forward_difference_names_leaf_and_row(monkeypatch):
 
 def test_detects_gradient_difference(monkeypatch):
   step, params, h0, x = _problem("lstm")
-  monkeypatch.setattr(testing.api, "iterate", _corrupt_h0_gradient())
+  monkeypatch.setattr(testing.iterate_lib, "iterate", _corrupt_h0_gradient())
   with pytest.raises(AssertionError) as e:
     testing.check_against_reference(step, params, h0, x, iters=COUNTS, max_iters=MAX_ITERS,
                                     implementation="xla")
@@ -145,7 +145,7 @@ def test_parameter_gradient_reports_element_indices(monkeypatch):
     return w
 
   bump.defvjp(lambda w: (w, None), lambda _, g: (g.at[2, 5].add(1.0),))
-  monkeypatch.setattr(testing.api, "iterate", functools.wraps(real)(
+  monkeypatch.setattr(testing.iterate_lib, "iterate", functools.wraps(real)(
       lambda s, p, *a, **kw: real(s, (bump(p[0]),) + p[1:], *a, **kw)))
   with pytest.raises(AssertionError) as e:
     testing.check_against_reference(step, params, h0, x, iters=COUNTS, max_iters=MAX_ITERS,

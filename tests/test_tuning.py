@@ -12,8 +12,8 @@ from benchmarks import blocks
 from benchmarks import cases
 from benchmarks import harness
 from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import backend_mosaic_tpu as pallas_mosaic_tpu
-from pallas_loop._src import backend_triton as pallas_triton
+from pallas_loop._src import backend_mosaic_tpu
+from pallas_loop._src import backend_triton
 from pallas_loop import tuning
 
 
@@ -32,7 +32,7 @@ def test_triton_default_keeps_sorted_tiles_efficient(batch, dist):
   """The Triton default tile keeps work efficiency >= 0.97 (the compile issue's
   goal, re-checked at the tile heights its rule picks: 0.974-0.998)."""
   counts = cases.count_distribution(dist, batch, cases.DEFAULT_MAX_ITERS[dist])
-  rows = pallas_triton.TRITON.default_block_rows(batch)
+  rows = backend_triton.TRITON.default_block_rows(batch)
   computed = harness.rows_computed("pallas", counts, counts, int(counts.max()), rows)
   assert counts.sum() / computed >= 0.97
 
@@ -41,7 +41,7 @@ def test_default_candidates():
   assert tuning.default_candidates(1) == (8,)
   assert tuning.default_candidates(100) == (8, 16, 32, 64, 128)
   assert tuning.default_candidates(10_000) == (8, 16, 32, 64, 128, 256)
-  assert pallas_mosaic_tpu.MOSAIC_TPU.default_block_rows(1024) % 8 == 0
+  assert backend_mosaic_tpu.MOSAIC_TPU.default_block_rows(1024) % 8 == 0
 
 
 def _workload():

@@ -17,8 +17,9 @@ import pytest
 import pallas_loop
 import reference
 from benchmarks import blocks
+from benchmarks import harness
 from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import xla_forward as buckets
+from pallas_loop._src import xla_forward
 from tests import oracle
 
 T = 12
@@ -62,19 +63,19 @@ def _check(step, params, h0, x, n, **kw):
 
 
 def test_bucket_ladder():
-  assert buckets.bucket_sizes(0) == ()
-  assert buckets.bucket_sizes(1) == (1,)
-  assert buckets.bucket_sizes(7) == (7,)
-  assert buckets.bucket_sizes(64) == (64, 48, 32, 16)
-  assert buckets.bucket_sizes(1024) == (1024, 768, 512, 256, 128, 64, 32, 16)
+  assert xla_forward.bucket_sizes(0) == ()
+  assert xla_forward.bucket_sizes(1) == (1,)
+  assert xla_forward.bucket_sizes(7) == (7,)
+  assert xla_forward.bucket_sizes(64) == (64, 48, 32, 16)
+  assert xla_forward.bucket_sizes(1024) == (1024, 768, 512, 256, 128, 64, 32, 16)
   for b in (1, 9, 100, 300, 1024, 4096, 1000):
-    sizes = buckets.bucket_sizes(b)
+    sizes = xla_forward.bucket_sizes(b)
     assert sizes[0] == b and list(sizes) == sorted(set(sizes), reverse=True)
-    assert min(sizes) >= min(b, buckets.MIN_ROWS)
-    assert len(sizes) <= buckets.LINEAR_STEPS + 12
-  assert buckets.bucket_for(0, (16,)) == 0
-  assert buckets.bucket_for(5, (64, 32, 16)) == 16
-  assert buckets.bucket_for(17, (64, 32, 16)) == 32
+    assert min(sizes) >= min(b, xla_forward.MIN_ROWS)
+    assert len(sizes) <= xla_forward.LINEAR_STEPS + 12
+  assert harness.bucket_for(0, (16,)) == 0
+  assert harness.bucket_for(5, (64, 32, 16)) == 16
+  assert harness.bucket_for(17, (64, 32, 16)) == 32
 
 
 @pytest.mark.parametrize("pattern,batch", [
@@ -160,7 +161,7 @@ def test_nan_in_finished_rows_stays_there():
 
 
 def test_rows_computed_matches_what_runs():
-  """`buckets.rows_computed` (used by the benchmarks) counts the rows stepped."""
+  """`harness.bucketed_rows_computed` (used by the benchmarks) counts the rows stepped."""
   batch = 100
   step, params, h0, x = blocks.make("tanh_rnn", batch, 16)
   n = _counts("uniform", batch, seed=5)
@@ -174,7 +175,7 @@ def test_rows_computed_matches_what_runs():
   out = pallas_loop.iterate(logging_step, params, h0, x, iters=n, max_iters=T,
                             implementation="xla")
   jax.block_until_ready(out)
-  assert sum(seen) == buckets.rows_computed(np.asarray(n))
+  assert sum(seen) == harness.bucketed_rows_computed(np.asarray(n))
   assert int(n.sum()) <= sum(seen) < batch * T
   assert max(seen) == batch and min(seen) < batch  # it did shrink
 

@@ -10,7 +10,7 @@ backend lives in `pallas_triton.py`, `pallas_mosaic_tpu.py` and here
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 from jax.extend import core as jex_core
@@ -84,7 +84,7 @@ class Backend:
   interpret: Any = False
 
 
-def iter_eqns(jaxpr):
+def iter_eqns(jaxpr: jex_core.Jaxpr) -> Iterator[jex_core.JaxprEqn]:
   """Every equation of `jaxpr`, recursing into sub-jaxprs (loops, jit, ...)."""
   for eqn in jaxpr.eqns:
     yield eqn
@@ -92,7 +92,7 @@ def iter_eqns(jaxpr):
       yield from iter_eqns(sub)
 
 
-def unsupported_primitive_problems(backend: Backend, jaxpr) -> list[str]:
+def unsupported_primitive_problems(backend: Backend, jaxpr: jex_core.Jaxpr) -> list[str]:
   """Names the primitives of `jaxpr` that `backend` has no lowering for."""
   rules = backend.lowering_rules()
   if rules is None:
@@ -130,12 +130,9 @@ def rows_for_tiles(batch: int, tiles: int, smallest: int, largest: int) -> int:
   A sorted tile runs until its slowest row is done, so the work efficiency
   (useful row-steps / row-steps computed) grows with the number of tiles:
   for rows ordered by count it is sum(n) / (R * sum of each tile's largest
-  n). Computed on the benchmark distributions (`benchmarks/cases.py`,
-  B = 1024, R = 16 / 32 / 64): uniform[1,64] 0.987 / 0.973 / 0.946,
-  recurrent-depth 0.974 / 0.943 / 0.881, geometric 0.975 / 0.943 / 0.891;
-  at B = 4096 (R = 16 / 32 / 64) recurrent-depth 0.993 / 0.984 / 0.966. So
-  ~64 tiles keep it >= 0.95 on every random distribution, and more tiles
-  also mean more programs to spread over the cores.
+  n). About 64 tiles keep it >= 0.95 on every random distribution of the
+  benchmarks (RESULTS.md, "Figures behind the code's choices"), and more tiles also mean more programs to spread over
+  the cores.
 
   Args:
     batch: B, the rows.

@@ -9,8 +9,9 @@ is constrained only for 2-D operands (rows are the sublane axis: a multiple of
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
+from jax.extend import core as jex_core
 import numpy as np
 
 from pallas_loop._src import backend as backend_lib
@@ -39,10 +40,10 @@ def _block_problems(blocks: Sequence[backend_lib.Block]) -> list[str]:
   return problems
 
 
-def _lowering_rules():
+def _lowering_rules() -> Any:
   try:
     from jax._src.pallas.mosaic import lowering  # pylint: disable=g-import-not-at-top
-    from jax._src.tpu import core as tpu_core  # pylint: disable=g-import-not-at-top
+    from jax._src.tpu import core as tpu_core  # type: ignore[attr-defined]  # pylint: disable=g-import-not-at-top
   except ImportError:
     try:
       from jax._src.pallas.mosaic import core as tpu_core  # pylint: disable=g-import-not-at-top
@@ -67,8 +68,8 @@ _TPUS = (
 )
 _UNKNOWN_TPU = (16 * MIB, 16 * MIB)
 
-# Beyond the blocks: internal scratch (~0.5 MB in the smallest kernels of the
-# compile report) and the step's temporaries, a few [block_rows, D] values.
+# Beyond the blocks: Mosaic's internal scratch and the step's temporaries, a
+# few [block_rows, D] values (RESULTS.md, "Figures behind the code's choices").
 _FIXED_SCRATCH = 1 * MIB
 _ROW_TEMPORARIES = 8
 
@@ -104,7 +105,8 @@ def vmem_estimate(fp: footprint_lib.Footprint) -> int:
   return 2 * blocks + _FIXED_SCRATCH + _ROW_TEMPORARIES * fp.largest_row_value_bytes
 
 
-def configure(fp: footprint_lib.Footprint, block_rows_given: bool):
+def configure(fp: footprint_lib.Footprint, block_rows_given: bool
+              ) -> tuple[backend_lib.KernelConfig | None, list[str]]:
   """The Mosaic kernel's configuration for a footprint, or why none fits.
 
   The rule: a program whose VMEM estimate (`vmem_estimate`), doubled, is
@@ -125,9 +127,8 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool):
         f"(its blocks double-buffered: {len(fp.blocks)} blocks of {fp.block_rows} rows "
         f"and the shared operands), more than the {cap:,} B a kernel may ask for; a "
         "smaller block_rows may fit, else the XLA implementation runs it"]
-  # Twice the estimate: what Mosaic took stayed within it across the compile
-  # report, while the estimate alone fell short (a tanh RNN at D=1024: 15.9 MB
-  # estimated, 19.2 MB taken).
+  # Twice the estimate: the estimate alone fell short of what Mosaic took
+  # (RESULTS.md, "Figures behind the code's choices").
   limit = None if 2 * need <= default else min(cap, -(-2 * need // MIB) * MIB)
   # Row tiles are independent: let Mosaic split them across TensorCores.
   params = pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit)
@@ -136,7 +137,7 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool):
       estimate={"vmem_bytes": need, "vmem_limit_bytes": limit or default}), []
 
 
-def _dot_problems(jaxpr) -> list[str]:
+def _dot_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
   """Dots libtpu's Mosaic (0.0.48.1) aborts on, measured deviceless: more than
   one contracted axis, unless the dot is unbatched and the lhs contracts its
   trailing axes and the rhs its leading ones (or both their leading axes:
@@ -148,11 +149,11 @@ def _dot_problems(jaxpr) -> list[str]:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     if len(lc) < 2:
       continue
-    lhs_rank = len(eqn.invars[0].aval.shape)
+    lhs_rank = len(eqn.invars[0].aval.shape)  # type: ignore[attr-defined]
     trailing = tuple(range(lhs_rank - len(lc), lhs_rank))
     leading = tuple(range(len(rb), len(rb) + len(rc)))
     if lb or tuple(lc) != trailing or tuple(rc) != leading:
-      shapes = [tuple(v.aval.shape) for v in eqn.invars]
+      shapes = [tuple(v.aval.shape) for v in eqn.invars]  # type: ignore[attr-defined]
       problems.append(
           f"Mosaic TPU aborts on a dot contracting axes {tuple(lc)} x {tuple(rc)} of "
           f"{shapes[0]} x {shapes[1]} (more than one contracted axis, not the lhs's "

@@ -11,8 +11,10 @@ added beside it (the Pallas Triton backend is deprecated upstream from JAX
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 import warnings
+
+from jax.extend import core as jex_core
 
 from pallas_loop._src import backend as backend_lib
 from pallas_loop._src import footprint as footprint_lib
@@ -34,11 +36,11 @@ def _block_problems(blocks: Sequence[backend_lib.Block]) -> list[str]:
   return problems
 
 
-def _dot_problems(jaxpr) -> list[str]:
+def _dot_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
   problems = []
   for eqn in backend_lib.iter_eqns(jaxpr):
     if eqn.primitive.name == "dot_general":
-      shapes = [tuple(v.aval.shape) for v in eqn.invars]
+      shapes = [tuple(v.aval.shape) for v in eqn.invars]  # type: ignore[attr-defined]
       if any(d < 16 for s in shapes for d in s):
         problems.append(
             "Triton needs every dimension of a dot operand to be >= 16; step "
@@ -47,7 +49,7 @@ def _dot_problems(jaxpr) -> list[str]:
   return problems
 
 
-def _lowering_rules():
+def _lowering_rules() -> Any:
   try:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", DeprecationWarning)
@@ -57,7 +59,7 @@ def _lowering_rules():
     return None
 
 
-def _compiler_params(num_warps: int):
+def _compiler_params(num_warps: int) -> Any:
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     from jax.experimental.pallas import triton as pl_triton  # pylint: disable=g-import-not-at-top
@@ -88,11 +90,10 @@ _GPUS = (
 )
 _UNKNOWN_GPU = Gpu(101376, 312e12, 1.0e12)
 
-# Cost-model assumptions (not measured: no GPU was lent to the session that
-# wrote them; `benchmarks/gpu_check.py` times both sides of the boundary):
-# L2 streams at twice HBM's bandwidth, and one trip of an XLA while loop costs
-# at least 10 us (its body's kernel launches and the loop predicate read back
-# by the host).
+# Cost-model assumptions, not measurements (`benchmarks/gpu_check.py` times
+# both sides of the boundary): L2 streams at twice HBM's bandwidth, and one
+# trip of an XLA while loop costs at least 10 us (its kernel launches and the
+# predicate read back by the host).
 L2_OVER_HBM = 2.0
 XLA_TRIP_SECONDS = 10e-6
 
@@ -190,7 +191,8 @@ def prefer_xla(fp: footprint_lib.Footprint, spec: Gpu) -> str | None:
           "batched XLA step): they do not fit in shared memory at once")
 
 
-def configure(fp: footprint_lib.Footprint, block_rows_given: bool):
+def configure(fp: footprint_lib.Footprint, block_rows_given: bool
+              ) -> tuple[backend_lib.KernelConfig | None, list[str]]:
   """The Triton kernel's configuration for a footprint, or why none fits.
 
   The rule (numbers from the compile report, `benchmarks/compile_check.py`):
@@ -228,14 +230,11 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool):
       "scratch; Triton cannot split a dot, so the XLA implementation runs it"]
 
 
-# Heuristic (not yet timed on a GPU: no device was lent to the sessions that
-# wrote it; `benchmarks/gpu_check.py` times block_rows 16/32/64 to check it):
-# at least 256 tiles, i.e. 16 rows (the smallest tile whose dots Triton
-# lowers) below B = 8192, 32 rows below B = 16384, then 64. 256 programs put ~2
-# on each of an H200's 132 SMs, and that many sorted tiles keep the work
-# efficiency >= 0.97 on the random count distributions
-# (`backend.rows_for_tiles`). Each program runs one dependent chain of steps,
-# so a GPU is filled by programs, not by taller tiles.
+# A heuristic, not yet timed on a GPU (`benchmarks/gpu_check.py` times
+# block_rows 16/32/64): at least 256 tiles (16 rows, the smallest tile whose
+# dots Triton lowers, up to 64), ~2 programs per SM of an H200; each program
+# runs one dependent chain of steps, so a GPU is filled by programs, not by
+# taller tiles. The work efficiency this gives: RESULTS.md, "Figures behind the code's choices".
 TILES = 256
 
 

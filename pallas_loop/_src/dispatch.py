@@ -14,7 +14,7 @@ it is lowered.
 from __future__ import annotations
 
 import contextlib
-import warnings
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import jax
 from jax import lax
@@ -24,14 +24,16 @@ from jax.interpreters import batching
 from jax.interpreters import mlir
 
 from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import xla_forward as buckets
-from pallas_loop._src import kernel_backward as bwd_kernel
-from pallas_loop._src import kernel_forward as kernel
-from pallas_loop._src import backend_mosaic_tpu as pallas_mosaic_tpu
-from pallas_loop._src import backend_triton as pallas_triton
-from pallas_loop._src import loop_reverse as vjp_window
-
-KERNEL_NAME = "pallas_loop_iterate_fwd"
+from pallas_loop._src import backend_mosaic_tpu
+from pallas_loop._src import backend_triton
+from pallas_loop._src import kernel_backward
+from pallas_loop._src import kernel_forward
+from pallas_loop._src import notices
+from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src import xla_backward
+from pallas_loop._src import xla_forward
+from pallas_loop._src.operands import Gradients, LoopOperands, LoopOutputs, Tiling
+from pallas_loop._src.operands import WindowOperands
 
 # --- A placeholder that raises when lowered --------------------------------
 
@@ -40,11 +42,12 @@ _unsupported_p.multiple_results = True
 _unsupported_p.def_abstract_eval(lambda *args, out_avals, message: out_avals)
 
 
-def _unsupported_lowering(ctx, *args, out_avals, message):
+def _unsupported_lowering(ctx: Any, *args: Any, out_avals: Any, message: str) -> NoReturn:
   raise ValueError(message)
 
 
-def _unsupported_batching(args, dims, *, out_avals, message):
+def _unsupported_batching(args: Sequence[Any], dims: Sequence[int | None], *,
+                          out_avals: Sequence[Any], message: str) -> tuple[Any, tuple[int, ...]]:
   # An unbatched operand has dim None (`batching.not_mapped` is gone in JAX 0.11).
   size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
   batched = tuple(jax.core.ShapedArray((size,) + a.shape, a.dtype) for a in out_avals)
@@ -55,7 +58,7 @@ mlir.register_lowering(_unsupported_p, _unsupported_lowering)
 batching.primitive_batchers[_unsupported_p] = _unsupported_batching
 
 
-def raise_when_lowered(message: str, fn, *operands):
+def raise_when_lowered(message: str, fn: Callable[..., Any], *operands: Any) -> Any:
   """Values shaped like `fn(*operands)` whose lowering raises ValueError(message)."""
   leaves, tree = tree_util.tree_flatten(jax.eval_shape(fn, *operands))
   avals = tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in leaves)
@@ -66,16 +69,13 @@ def raise_when_lowered(message: str, fn, *operands):
 
 # --- An identity that warns (once per message) when lowered ----------------
 
-_warned: set[str] = set()
 _notice_p = jex_core.Primitive("pallas_loop_fallback_notice")
 _notice_p.multiple_results = True
 _notice_p.def_abstract_eval(lambda *args, message: args)
 
 
-def _notice_lowering(ctx, *args, message):
-  if message not in _warned:
-    _warned.add(message)
-    warnings.warn(message, UserWarning, stacklevel=2)
+def _notice_lowering(ctx: Any, *args: Any, message: str) -> list[Any]:
+  notices.warn_once(message)
   return list(args)
 
 
@@ -84,7 +84,7 @@ batching.primitive_batchers[_notice_p] = (
     lambda args, dims, *, message: (_notice_p.bind(*args, message=message), dims))
 
 
-def warn_when_lowered(message: str, tree):
+def warn_when_lowered(message: str, tree: Any) -> Any:
   """`tree` unchanged; lowering it warns `message` once per process."""
   leaves, treedef = tree_util.tree_flatten(tree)
   return tree_util.tree_unflatten(treedef, _notice_p.bind(*leaves, message=message))
@@ -96,7 +96,7 @@ _observers: list = []
 
 
 @contextlib.contextmanager
-def observe_plans():
+def observe_plans() -> Iterator[list[tuple[str, str, Any]]]:
   """Collects (what, backend name, plan) for every kernel planned inside.
 
   For tools that report which configuration each kernel got (the compile
@@ -123,7 +123,8 @@ def observe_plans():
 # --- Choosing per platform -------------------------------------------------
 
 
-def _problem_message(what, backend, problems, fallback: bool) -> str:
+def _problem_message(what: str, backend: backend_lib.Backend, problems: Sequence[str],
+                     fallback: bool) -> str:
   listed = "; ".join(problems)
   if fallback:
     return (f"pallas_loop.iterate: the Pallas {backend.name} {what} kernel cannot "
@@ -134,26 +135,28 @@ def _problem_message(what, backend, problems, fallback: bool) -> str:
           "shapes as described, or use implementation='xla'.")
 
 
-def _per_platform(what, plan, run_kernel, run_xla, *, implementation, interpret):
-  """`f(*operands)`: the kernel on the lowering platform's backend, or XLA.
+def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[..., Any],
+                  run_xla: Callable[[Any], Any], tiling: Tiling) -> Callable[[Any], Any]:
+  """`f(ops)`: the kernel on the lowering platform's backend, or XLA.
 
   Args:
     what: "forward" or "backward", for messages.
-    plan: plan(backend, *operands) -> an object with `.problems` and
-      `.config` (a `backend.KernelConfig` or None).
-    run_kernel: run_kernel(plan, *operands) -> outputs.
-    run_xla: run_xla(*operands) -> outputs (the same avals).
-    implementation, interpret: the caller's options (see `iterate`).
+    plan: plan(backend, ops) -> an object with `.problems` and `.config` (a
+      `backend.KernelConfig` or None).
+    run_kernel: run_kernel(plan, ops) -> outputs.
+    run_xla: run_xla(ops) -> outputs (the same avals).
+    tiling: the caller's options (see `iterate`).
   """
+  implementation, interpret = tiling.implementation, tiling.interpret
 
-  def on(backend, *, fallback):
-    def branch(*operands):
-      p = plan(backend, *operands)
+  def on(backend: backend_lib.Backend, *, fallback: bool) -> Callable[[Any], Any]:
+    def branch(ops: Any) -> Any:
+      p = plan(backend, ops)
       for observe in _observers:
         observe((what, backend.name, p))
       slower = None if p.config is None else p.config.prefer_xla
       if not p.problems and not (fallback and slower):
-        return run_kernel(p, *operands)
+        return run_kernel(p, ops)
       if p.problems:
         message = _problem_message(what, backend, p.problems, fallback)
       else:
@@ -164,15 +167,15 @@ def _per_platform(what, plan, run_kernel, run_xla, *, implementation, interpret)
       if not backend.platforms:  # interpret mode runs everywhere: fail now
         raise ValueError(message)
       if fallback:
-        return warn_when_lowered(message, run_xla(*operands))
-      return raise_when_lowered(message, run_xla, *operands)
+        return warn_when_lowered(message, run_xla(ops))
+      return raise_when_lowered(message, run_xla, ops)
     return branch
 
-  def no_compiled_backend(*operands):
+  def no_compiled_backend(ops: Any) -> Any:
     return raise_when_lowered(
         "pallas_loop.iterate(implementation='pallas', interpret=False) needs a "
         "GPU (Triton) or TPU (Mosaic) platform; on this platform pass "
-        "interpret=True (or leave interpret=None).", run_xla, *operands)
+        "interpret=True (or leave interpret=None).", run_xla, ops)
 
   if implementation == "xla":
     return run_xla
@@ -183,72 +186,61 @@ def _per_platform(what, plan, run_kernel, run_xla, *, implementation, interpret)
     default = on(backend_lib.INTERPRET, fallback=False) if interpret is None else no_compiled_backend
   else:
     default = run_xla
-  triton = on(pallas_triton.TRITON, fallback=not strict)
-  mosaic = on(pallas_mosaic_tpu.MOSAIC_TPU, fallback=not strict)
+  triton = on(backend_triton.TRITON, fallback=not strict)
+  mosaic = on(backend_mosaic_tpu.MOSAIC_TPU, fallback=not strict)
 
-  def select(*operands):
+  def select(ops: Any) -> Any:
     return lax.platform_dependent(
-        *operands, cuda=triton, rocm=triton, tpu=mosaic, default=default)
+        ops, cuda=triton, rocm=triton, tpu=mosaic, default=default)
 
   return select
 
 
-def forward_fn(step_fn, *, implementation, interpret, block_rows, sort_rows, residual=True):
-  """The forward `f(params, consts, h0, x, counts, row_ids, halting) -> outputs`.
-
-  Outputs are (h, residual, steps, halted), see `buckets.forward`; `row_ids`
-  (int32 [B]) are the rows' indices in the caller's batch (random keys).
+def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *,
+               residual: bool = True) -> Callable[[LoopOperands], LoopOutputs]:
+  """The forward, LoopOperands -> LoopOutputs, on the lowering platform's
+  kernel or in XLA (`xla_forward.forward`).
 
   Args:
-    step_fn: the body (step, then the halt criterion) as a `step_fn.StepFn`.
-    implementation: None (auto), "pallas" or "xla".
-    interpret: None, True, False or a `pltpu.InterpretParams`.
-    block_rows, sort_rows: kernel tiling options.
+    step_fn: the body (step, then the halt criterion).
+    tiling: the caller's implementation and tiling options.
     residual: track each row's last residual (False when the caller does not
       ask for it: saves a reduction per step; the residual output is then 0).
   """
 
-  def run_xla(params, consts, h0, x, counts, row_ids, halting):
-    body = lambda p, h, x_, t, rows: step_fn(p, consts, h, x_, t, rows)
-    return buckets.forward(body, params, h0, x, counts, row_ids, halting, residual)
+  def run_xla(ops: LoopOperands) -> LoopOutputs:
+    body = lambda p, h, x, t, rows: step_fn(p, ops.consts, h, x, t, rows)
+    return xla_forward.forward(body, ops, residual)
 
-  def plan(backend, params, consts, h0, x, counts, row_ids, halting):
-    return kernel.plan(backend, step_fn, params, consts, h0, x, block_rows)
+  def plan(backend: backend_lib.Backend, ops: LoopOperands) -> kernel_forward.TilePlan:
+    return kernel_forward.plan(backend, step_fn, ops.params, ops.consts, ops.h0, ops.x,
+                               tiling.block_rows)
 
-  def run_kernel(p, params, consts, h0, x, counts, row_ids, halting):
-    return kernel.run(p, params, h0, x, counts, row_ids, halting, sort_rows=sort_rows,
-                      name=KERNEL_NAME, residual=residual)
+  def run_kernel(p: kernel_forward.TilePlan, ops: LoopOperands) -> LoopOutputs:
+    return kernel_forward.run(p, ops, sort_rows=tiling.sort_rows, residual=residual)
 
-  return _per_platform("forward", plan, run_kernel, run_xla,
-                       implementation=implementation, interpret=interpret)
+  return _per_platform("forward", plan, run_kernel, run_xla, tiling)
 
 
-def window_fn(step_fn, *, implementation, interpret, block_rows, sort_rows):
-  """The window VJP `w(params, consts, h_start, x, t0, n, row_ids, g, bound, every)`.
-
-  Returns (g_params, g_consts, g_h_start, g_x); see `vjp_window.py`. `bound`
-  (the static bound on n) and `every` (checkpoint interval or None) are
-  static; the fused backward kernel (`bwd_kernel.py`) runs where the forward
-  kernel would.
+def window_fn(step_fn: step_fn_lib.StepFn,
+              tiling: Tiling) -> Callable[[WindowOperands, int, int | None], Any]:
+  """The window VJP `w(ops, bound, every) -> (g_params, g_consts, g_h_start,
+  g_x)`: the fused backward kernel (`kernel_backward.py`) where the forward
+  kernel would run, else XLA (`xla_backward.py`). `bound` (the static bound
+  on n) and `every` (checkpoint interval or None) are static.
   """
 
-  def window(params, consts, h_start, x, t0, n, row_ids, g, bound, every):
-    def run_xla(params, consts, h_start, x, t0, n, row_ids, g):
-      step = lambda shared, h, x_, t, rows: step_fn(shared[0], shared[1], h, x_, t, rows)[0]
-      (g_params, g_consts), g_h, g_x = vjp_window.backward_xla(
-          step, (params, consts), h_start, x, t0, n, row_ids, g, window=bound, every=every)
-      return g_params, g_consts, g_h, g_x
+  def window(ops: WindowOperands, bound: int, every: int | None) -> Gradients:
+    def run_xla(ops: WindowOperands) -> Gradients:
+      return xla_backward.backward(step_fn, ops, window=bound, every=every)
 
-    def plan(backend, params, consts, h_start, x, t0, n, row_ids, g):
-      return bwd_kernel.plan(backend, step_fn, params, consts, h_start, x,
-                             block_rows=block_rows, bound=bound, every=every)
+    def plan(backend: backend_lib.Backend, ops: WindowOperands) -> kernel_backward.WindowPlan:
+      return kernel_backward.plan(backend, step_fn, ops.params, ops.consts, ops.h_start, ops.x,
+                                  block_rows=tiling.block_rows, bound=bound, every=every)
 
-    def run_kernel(p, params, consts, h_start, x, t0, n, row_ids, g):
-      return bwd_kernel.run(p, params, consts, h_start, x, t0, n, row_ids, g,
-                            sort_rows=sort_rows)
+    def run_kernel(p: kernel_backward.WindowPlan, ops: WindowOperands) -> Gradients:
+      return kernel_backward.run(p, ops, sort_rows=tiling.sort_rows)
 
-    return _per_platform("backward", plan, run_kernel, run_xla,
-                         implementation=implementation, interpret=interpret)(
-                             params, consts, h_start, x, t0, n, row_ids, g)
+    return _per_platform("backward", plan, run_kernel, run_xla, tiling)(ops)
 
   return window

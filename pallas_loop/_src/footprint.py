@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from jax.extend import core as jex_core
@@ -128,11 +129,13 @@ class Footprint:
                 if not s), default=0)
 
 
-def _nbytes(aval) -> int:
+def _nbytes(aval: Any) -> int:
   return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
 
 
-def _dot(eqn, shared: tuple[bool, bool], rhs_direct: bool, rows: int) -> Dot:
+def _dot(eqn: jex_core.JaxprEqn, shared: tuple[bool, bool], rhs_direct: bool, rows: int) -> Dot:
+  a: Any
+  b: Any
   a, b = (v.aval for v in eqn.invars)
   (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
   sizes = [np.dtype(a.dtype).itemsize, np.dtype(b.dtype).itemsize]
@@ -146,14 +149,14 @@ def _dot(eqn, shared: tuple[bool, bool], rhs_direct: bool, rows: int) -> Dot:
   contracts_rows = any(
       not s and len(x.shape) > 0 and x.shape[0] == rows and 0 in c
       for x, s, c in ((a, shared[0], lc), (b, shared[1], rc)))
-  out = tuple(eqn.outvars[0].aval.shape)
+  out = tuple(eqn.outvars[0].aval.shape)  # type: ignore[attr-defined]
   return Dot(tuple(a.shape), tuple(b.shape), staged, shared[0], shared[1],
              2 * math.prod(out) * contracted,
              split_axis=rc[0] if splittable else None, wide_itemsize=wide,
              out=out, contracts_rows=contracts_rows)
 
 
-def _walk(jaxpr, shared_in: list[bool], dots: list[Dot], largest: list[int],
+def _walk(jaxpr: jex_core.Jaxpr, shared_in: list[bool], dots: list[Dot], largest: list[int],
           rows: int, top: bool = False) -> list[bool]:
   """Records the dots of `jaxpr`; returns which outputs are shared-derived.
 
@@ -167,7 +170,7 @@ def _walk(jaxpr, shared_in: list[bool], dots: list[Dot], largest: list[int],
     shared[v] = True
   direct = {v for v, s in shared.items() if s} if top else set()
 
-  def is_shared(v):
+  def is_shared(v: jex_core.Var | jex_core.Literal) -> bool:
     return True if isinstance(v, jex_core.Literal) else shared.get(v, False)
 
   for eqn in jaxpr.eqns:
@@ -196,8 +199,9 @@ def _walk(jaxpr, shared_in: list[bool], dots: list[Dot], largest: list[int],
   return [is_shared(v) for v in jaxpr.outvars]
 
 
-def measure(jaxprs_and_shared, *, batch: int, block_rows: int, shared_avals,
-            row_block_avals) -> Footprint:
+def measure(jaxprs_and_shared: Iterable[tuple[jex_core.Jaxpr, int]], *, batch: int,
+            block_rows: int, shared_avals: Sequence[Any],
+            row_block_avals: Sequence[Any]) -> Footprint:
   """The footprint of a program that runs the given jaxprs.
 
   Args:

@@ -1,38 +1,95 @@
-"""The gradient modes of `iterate` (its `grad=` argument).
+"""The gradient modes of `iterate` (its `grad=` argument), each owning its rule.
 
-Which one to use (see the README's "Gradients" section for memory and cost):
-
-* `"full"` / `Full()`: exact gradients through every applied step. The
-  backward recomputes the forward from checkpoints saved every C ~ sqrt(W)
-  steps, so memory grows like O(sqrt(max_iters)).
-* `Truncated(k)`: exact gradients through each row's last k applied steps
-  only (recurrent-depth training); the earlier steps are rerun without
-  saving anything and pass no gradient to `h0`.
-* `Implicit()`: the implicit-function gradient at a fixed point (deep
-  equilibrium models): the adjoint fixed point u = g + u·∂f/∂h is solved by
-  `iterate` itself; memory O(1) in the step count.
-* `Phantom(k)`: the gradient of k steps unrolled from the stopped-gradient
-  output (a cheap approximation of the implicit gradient).
+A mode says what the forward saves (`GradMode.saves`) and how the backward
+runs from it (`GradMode.backward`); `iterate` wires any mode into its
+custom_vjp the same way. `Full`, `Truncated` and `Phantom` are each one VJP
+of a per-row window of steps (`loop_reverse.py`); `Implicit` solves the
+adjoint fixed point with `iterate` itself. When to use which, and what each
+costs in memory: the documentation's "Gradients and memory" page.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+from typing import Any, Callable, ClassVar, NamedTuple
 
+import jax
+from jax import tree_util
+import jax.numpy as jnp
 import numpy as np
 
-
-def _static_int(name: str, value, lowest: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be a static Python int >= {lowest}, got {value!r} "
-                    f"of type {type(value).__name__}.")
-  if value < lowest:
-    raise ValueError(f"{name} must be >= {lowest}, got {value}.")
-  return int(value)
+from pallas_loop._src import loop as loop_lib
+from pallas_loop._src import validation
+from pallas_loop._src.operands import Gradients, LoopOperands, LoopOutputs, WindowOperands
 
 
 @dataclasses.dataclass(frozen=True)
-class Full:
+class Context:
+  """What a mode's backward may use, beyond what its forward saved.
+
+  Attributes:
+    fn: the body as a `step_fn.StepFn`: fn(params, consts, h, x, t, rows)
+      -> (h_new, flag).
+    forward: the dispatched forward, LoopOperands -> LoopOutputs.
+    window: the dispatched window VJP: window(WindowOperands, bound, every)
+      -> (g_params, g_consts, g_h_start, g_x); `bound` (static) bounds n,
+      `every` is the checkpoint interval (None: the default).
+    max_iters: the forward's static step bound.
+    iterate: `pallas_loop.iterate` with the call's implementation and
+      tiling options (for a mode that solves with it, e.g. `Implicit`).
+  """
+
+  fn: Callable[..., Any]
+  forward: Callable[[LoopOperands], LoopOutputs]
+  window: Callable[[WindowOperands, int, int | None], Gradients]
+  max_iters: int
+  iterate: Callable[..., Any]
+
+
+class Saved(NamedTuple):
+  """What the forward keeps for the backward: the operands (h0 only where
+  the mode needs it, never the counts), the steps each row applied (the
+  backward replays exactly those, so halting decisions need not be
+  reproduced) and the output state (only where the mode needs it)."""
+
+  ops: LoopOperands
+  steps: jax.Array
+  h_out: Any
+
+
+def _zero_rows(keep: jax.Array, tree):
+  """Rows where `keep` ([B]) from `tree`, zeros elsewhere."""
+  return loop_lib.select_rows(keep[:, None], tree, tree_util.tree_map(jnp.zeros_like, tree))
+
+
+class GradMode(abc.ABC):
+  """A gradient mode: what the forward saves and how the backward runs.
+
+  A new mode is one subclass: set `keeps_h0`/`keeps_output` and write
+  `backward`; `iterate` asks nothing else of it.
+  """
+
+  keeps_h0: ClassVar[bool]
+  keeps_output: ClassVar[bool]
+
+  def saves(self, ops: LoopOperands, out: LoopOutputs) -> Saved:
+    """The residuals of the custom_vjp."""
+    return Saved(ops._replace(h0=ops.h0 if self.keeps_h0 else None, counts=None),
+                 out.steps, out.h if self.keeps_output else None)
+
+  @abc.abstractmethod
+  def backward(self, ctx: Context, saved: Saved, g) -> Gradients:
+    """Cotangents of (params, consts, h0, x) for the output cotangent `g`."""
+
+  def reference_grad(self) -> Any:
+    """The `grad=` value for which `reference.iterate` computes this mode's
+    gradient, or None when it has no counterpart there."""
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Full(GradMode):
   """Exact backpropagation through every applied step, checkpointed.
 
   Attributes:
@@ -54,13 +111,25 @@ class Full:
 
   checkpoint_every: int | None = None
 
+  keeps_h0 = True
+  keeps_output = False
+
   def __post_init__(self):
     if self.checkpoint_every is not None:
-      _static_int("Full(checkpoint_every)", self.checkpoint_every, 1)
+      validation.static_int("Full(checkpoint_every)", self.checkpoint_every, 1)
+
+  def backward(self, ctx: Context, saved: Saved, g) -> Gradients:
+    ops, steps = saved.ops, saved.steps
+    window = WindowOperands(ops.params, ops.consts, ops.h0, ops.x, jnp.zeros_like(steps),
+                            steps, ops.row_ids, g)
+    return ctx.window(window, ctx.max_iters, self.checkpoint_every)
+
+  def reference_grad(self) -> Any:
+    return "full"
 
 
 @dataclasses.dataclass(frozen=True)
-class Truncated:
+class Truncated(GradMode):
   """Backpropagation through each row's last `k` applied steps only.
 
   A row that applied n <= k steps gets its exact gradient (w.r.t. `h0` too);
@@ -86,12 +155,28 @@ class Truncated:
 
   k: int
 
+  keeps_h0 = True
+  keeps_output = False
+
   def __post_init__(self):
-    _static_int("Truncated(k)", self.k, 1)
+    validation.static_int("Truncated(k)", self.k, 1)
+
+  def backward(self, ctx: Context, saved: Saved, g) -> Gradients:
+    ops, steps = saved.ops, saved.steps
+    n = jnp.minimum(steps, self.k)
+    skipped = steps - n
+    # The state before each row's last n steps: rerun them, saving nothing.
+    h_start = ctx.forward(ops._replace(counts=skipped, halting=None)).h
+    window = WindowOperands(ops.params, ops.consts, h_start, ops.x, skipped, n, ops.row_ids, g)
+    g_params, g_consts, g_start, g_x = ctx.window(window, min(self.k, ctx.max_iters), None)
+    return g_params, g_consts, _zero_rows(skipped == 0, g_start), g_x
+
+  def reference_grad(self) -> Any:
+    return self
 
 
 @dataclasses.dataclass(frozen=True)
-class Implicit:
+class Implicit(GradMode):
   """The implicit-function gradient at a fixed point h* = f(h*, x; params).
 
   With g the output cotangent, solves the adjoint fixed point
@@ -122,11 +207,13 @@ class Implicit:
   tol: float | None = None
   max_iters: int | None = None
 
-  DEFAULT_TOL = 1e-6
+  DEFAULT_TOL: ClassVar[float] = 1e-6
+  keeps_h0 = False
+  keeps_output = True
 
   def __post_init__(self):
     if self.max_iters is not None:
-      _static_int("Implicit(max_iters)", self.max_iters, 1)
+      validation.static_int("Implicit(max_iters)", self.max_iters, 1)
     if self.tol is None:
       return
     if isinstance(self.tol, bool) or not isinstance(self.tol, (int, float, np.floating)):
@@ -135,9 +222,36 @@ class Implicit:
     if not self.tol > 0:
       raise ValueError(f"Implicit(tol) must be > 0, got {self.tol}.")
 
+  def backward(self, ctx: Context, saved: Saved, g) -> Gradients:
+    ops, steps, h_star = saved.ops, saved.steps, saved.h_out
+    # Unless given, the adjoint solve halts like the forward and has its budget.
+    budget = ctx.max_iters if self.max_iters is None else self.max_iters
+    tol = self.tol
+    if tol is None:
+      forward_tol = None if ops.halting is None else ops.halting.tol
+      tol = self.DEFAULT_TOL if forward_tol is None else forward_tol
+    t_last = jnp.maximum(steps - 1, 0)[:, None]
+    rows = ops.row_ids[:, None]
+
+    def f(shared, h, x, t, r):
+      return ctx.fn(shared[0], shared[1], h, x, t, r)[0]
+
+    def adjoint_step(shared, u, per_row):
+      h_s, x, g_, t, r = per_row
+      _, vjp = jax.vjp(lambda h: f(shared, h, x, t, r), h_s)
+      return tree_util.tree_map(lambda a, b: a + b, g_, vjp(u)[0])
+
+    u = ctx.iterate(
+        adjoint_step, (ops.params, ops.consts), g, (h_star, ops.x, g, t_last, rows),
+        iters=jnp.where(steps > 0, budget, 0), max_iters=budget, tol=tol)
+    _, vjp = jax.vjp(lambda shared, x: f(shared, h_star, x, t_last, rows),
+                     (ops.params, ops.consts), ops.x)
+    (g_params, g_consts), g_x = vjp(_zero_rows(steps > 0, u))
+    return g_params, g_consts, _zero_rows(steps == 0, g), g_x
+
 
 @dataclasses.dataclass(frozen=True)
-class Phantom:
+class Phantom(GradMode):
   """The gradient of k steps unrolled from the stopped-gradient output.
 
   The output value is the forward's h*; its gradient is that of
@@ -162,15 +276,26 @@ class Phantom:
 
   k: int
 
+  keeps_h0 = False
+  keeps_output = True
+
   def __post_init__(self):
-    _static_int("Phantom(k)", self.k, 1)
+    validation.static_int("Phantom(k)", self.k, 1)
+
+  def backward(self, ctx: Context, saved: Saved, g) -> Gradients:
+    ops, steps = saved.ops, saved.steps
+    n = jnp.minimum(steps, self.k)
+    window = WindowOperands(ops.params, ops.consts, saved.h_out, ops.x, steps - n, n,
+                            ops.row_ids, g)
+    g_params, g_consts, _, g_x = ctx.window(window, min(self.k, ctx.max_iters), None)
+    return g_params, g_consts, _zero_rows(steps == 0, g), g_x
 
 
-def as_mode(grad) -> Full | Truncated | Implicit | Phantom:
+def as_mode(grad: Any) -> GradMode:
   """`grad=` as a mode object; "full" is `Full()`. Raises on anything else."""
   if isinstance(grad, str) and grad == "full":
     return Full()
-  if isinstance(grad, (Full, Truncated, Implicit, Phantom)):
+  if isinstance(grad, GradMode):
     return grad
   raise ValueError(
       f"grad must be 'full', pallas_loop.Full(...), pallas_loop.Truncated(k), "

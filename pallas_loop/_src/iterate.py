@@ -1,20 +1,20 @@
 """`pallas_loop.iterate`: the public entry point.
 
 Validates and normalises the arguments, hoists the arrays `step` closes over
-into explicit operands (`step_fn.py`), picks the forward per lowering platform
-(`dispatch.py`) and wires it into one `jax.custom_vjp` with the backward of
-the requested gradient mode (`backward.py`).
+into explicit operands (`step_fn.py`), picks the forward and the backward per
+lowering platform (`dispatch.py`) and wires them into one `jax.custom_vjp`
+with the rule of the requested gradient mode (`grad_modes.py`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_loop._src import backward as backward_lib
 from pallas_loop._src import dispatch
 from pallas_loop._src import grad_modes
 from pallas_loop._src import info as info_lib
@@ -22,6 +22,7 @@ from pallas_loop import random as random_lib
 from pallas_loop._src import sharding
 from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src import validation
+from pallas_loop._src.operands import LoopOperands, LoopOutputs
 
 
 def iterate(
@@ -43,7 +44,7 @@ def iterate(
     sort_rows: bool = True,
     return_info: bool = False,
     per_example: bool = False,
-):
+) -> Any:
   """Applies `step` to each row of `h0` its own number of times.
 
   Row i of the state is updated `n_i = clip(iters[i], 0, max_iters)` times:
@@ -124,7 +125,7 @@ def iterate(
     ...                     iters=jnp.array([1, 2, 3]), max_iters=3)[:, 0]
     Array([2., 4., 8.], dtype=float32)
   """
-  validation.check_options(step, implementation, interpret, block_rows, sort_rows)
+  tiling = validation.check_options(step, implementation, interpret, block_rows, sort_rows)
   mode = grad_modes.as_mode(grad)
   max_iters = validation.check_max_iters(max_iters)
   batch = validation.batch_size(h0, x)
@@ -145,52 +146,37 @@ def iterate(
   fn = step_fn_lib.StepFn(body, tuple(consts))
 
   # The residual is only computed when it is returned.
-  forward = dispatch.forward_fn(
-      fn, implementation=implementation, interpret=interpret,
-      block_rows=block_rows, sort_rows=sort_rows, residual=return_info)
-  window = dispatch.window_fn(
-      fn, implementation=implementation, interpret=interpret,
-      block_rows=block_rows, sort_rows=sort_rows)
-  options = dict(implementation=implementation, interpret=interpret,
-                 block_rows=block_rows, sort_rows=sort_rows)
-  loop = _with_custom_vjp(forward, window, fn, mode, max_iters, options)
-  # Rows sharded over explicit mesh axes: run `loop` (differentiable) on each
-  # device's own rows (`sharding.py`); else `loop` itself.
-  loop = sharding.per_shard(loop)
-  row_ids = jnp.arange(batch, dtype=jnp.int32)
-  h, residual, steps, halted = loop(params, consts, h0, x, counts, row_ids, halting)
+  ctx = grad_modes.Context(
+      fn=fn, forward=dispatch.forward_fn(fn, tiling, residual=return_info),
+      window=dispatch.window_fn(fn, tiling), max_iters=max_iters,
+      iterate=functools.partial(iterate, **tiling.as_kwargs()))
+  # Rows sharded over explicit mesh axes: run the loop (differentiable) on
+  # each device's own rows (`sharding.py`); else the loop itself.
+  loop = sharding.per_shard(_differentiable(mode, ctx))
+  out = loop(LoopOperands(params, consts, h0, x, counts,
+                          jnp.arange(batch, dtype=jnp.int32), halting))
   if not return_info:
-    return h
-  return h, info_lib.IterateInfo(steps=steps, residual=lax.stop_gradient(residual),
-                                 halted=halted)
+    return out.h
+  return out.h, info_lib.IterateInfo(steps=out.steps, residual=lax.stop_gradient(out.residual),
+                                     halted=out.halted)
 
 
-def _with_custom_vjp(forward, window, fn, mode, max_iters, iterate_options):
-  """`forward` as a custom_vjp over (params, consts, h0, x, counts, row_ids, halting).
-
-  The backward needs only the steps each row applied (saved from the
-  forward), not the halting decisions: it replays exactly those steps. What
-  it does with them is the gradient mode's (`backward.py`).
-  """
-  ctx = backward_lib.Context(fn=fn, forward=forward, window=window,
-                             max_iters=max_iters, iterate_options=iterate_options)
-  keeps_output = isinstance(mode, (grad_modes.Implicit, grad_modes.Phantom))
-  keeps_input = isinstance(mode, (grad_modes.Full, grad_modes.Truncated))
+def _differentiable(mode: grad_modes.GradMode,
+                    ctx: grad_modes.Context) -> Callable[[LoopOperands], LoopOutputs]:
+  """`ctx.forward` with the backward of `mode`, as one custom_vjp."""
 
   @jax.custom_vjp
-  def run(params, consts, h0, x, counts, row_ids, halting):
-    return forward(params, consts, h0, x, counts, row_ids, halting)
+  def run(ops: LoopOperands) -> LoopOutputs:
+    return ctx.forward(ops)
 
-  def run_fwd(params, consts, h0, x, counts, row_ids, halting):
-    out = forward(params, consts, h0, x, counts, row_ids, halting)
-    saved = (params, consts, h0 if keeps_input else None, x, out[2], row_ids,
-             out[0] if keeps_output else None, halting)
-    return out, saved
+  def run_fwd(ops: LoopOperands) -> tuple[LoopOutputs, grad_modes.Saved]:
+    out = ctx.forward(ops)
+    return out, mode.saves(ops, out)
 
-  def run_bwd(saved, cotangents):
-    g_h = cotangents[0]  # residual, steps and halted are not differentiated
-    g_params, g_consts, g_h0, g_x = backward_lib.backward(mode, ctx, saved, g_h)
-    return g_params, g_consts, g_h0, g_x, None, None, None
+  def run_bwd(saved: grad_modes.Saved, cotangents: LoopOutputs) -> tuple[LoopOperands]:
+    # Only the state is differentiated (residual, steps and halted are not).
+    g_params, g_consts, g_h0, g_x = mode.backward(ctx, saved, cotangents.h)
+    return (LoopOperands(g_params, g_consts, g_h0, g_x, None, None, None),)
 
   run.defvjp(run_fwd, run_bwd)
   return run

@@ -18,6 +18,7 @@ gradient into its ref), and reads shared operands where used (`LoadOnUse`).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable, Sequence
 
 import jax
 from jax import tree_util
@@ -38,7 +39,7 @@ class Rules:
     swap_transposed_dots: compute `transpose(dot(a, b))` as `dot(b, a)`
       (`_transposed_dots`); on by default for Triton, off for Mosaic, which
       compiles a dot contracted on the lhs's first axis into a kernel that
-      needs 60 MB of VMEM (a GRU's backward at D=128).
+      needs far more VMEM (RESULTS.md, "Figures behind the code's choices").
     fence_transposed_operands: `_transpose_fence` (Triton).
     integer_mask_selects: `_bitwise_select` (Triton).
     split_dot_bytes: split a dot by a re-read weight into K chunks of at
@@ -64,14 +65,16 @@ MOSAIC = Rules(merge_leading_contractions=True)
 class LoadOnUse:
   """A kernel ref read where (and each time) the jaxpr uses it."""
 
-  def __init__(self, ref, shape):
+  def __init__(self, ref: Any, shape: Sequence[int]) -> None:
     self.ref, self.shape, self.dtype = ref, tuple(shape), ref.dtype
 
-  def load(self):
+  def load(self) -> jax.Array:
     return self.ref[...].reshape(self.shape)
 
 
-def eval_jaxpr(jaxpr, consts, args, sinks=None, rules: Rules = PLAIN):
+def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+               sinks: dict[int, Callable[[Any], Any]] | None = None,
+               rules: Rules = PLAIN) -> list[Any]:
   """Like `jax.core.eval_jaxpr(jaxpr, consts, *args)`, with matched dots.
 
   Args:
@@ -81,16 +84,16 @@ def eval_jaxpr(jaxpr, consts, args, sinks=None, rules: Rules = PLAIN):
       is computed, and the output is returned as None (so it is not kept).
     rules: the backend's rewrites (`Rules`).
   """
-  env = {}
-  pending = {}
+  env: dict[Any, Any] = {}
+  pending: dict[Any, Any] = {}
   for k, fn in (sinks or {}).items():
     pending.setdefault(jaxpr.outvars[k], []).append(fn)
 
-  def flush(v):
+  def flush(v: jex_core.Var | jex_core.Literal) -> None:
     for fn in pending.pop(v, ()):
       fn(read(v))
 
-  def read(v):
+  def read(v: jex_core.Var | jex_core.Literal) -> Any:
     if isinstance(v, jex_core.Literal):
       return v.val
     val = env[v]
@@ -158,18 +161,19 @@ def split_parts(k: int, n: int, itemsize: int, budget: int | None) -> int:
   return parts
 
 
-def _split_dot(eqn, env, rules: Rules):
+def _split_dot(eqn: jex_core.JaxprEqn, env: dict[Any, Any],
+               rules: Rules) -> Callable[[jax.Array], jax.Array] | None:
   """`dot(x, w)` as a sum over chunks of K when `w` is re-read from a ref.
 
   Returns a function of the row operand, or None where this does not apply.
-  Triton loads a weight through registers into shared memory whole: a
-  [512, 128] bfloat16 weight is 128 registers a thread (8 warps) in flight
-  and 128 KB staged. Read in K chunks, each dot stages one chunk
+  Triton loads a weight through registers into shared memory whole, which
+  overflows both for a large weight. Read in K chunks, each dot stages one chunk
   (`Rules.split_dot_bytes`), and the chunks' products are summed in the
   dot's accumulator dtype.
   """
   if not rules.split_dot_bytes:
     return None
+  x_var: Any
   x_var, w_var = eqn.invars
   w = None if isinstance(w_var, jex_core.Literal) else env.get(w_var)
   if not isinstance(w, LoadOnUse) or len(w.shape) != 2 or tuple(w.ref.shape) != w.shape:
@@ -188,7 +192,7 @@ def _split_dot(eqn, env, rules: Rules):
   dims = (((1,), (axis,)), ((), ()))
   preferred = eqn.params.get("preferred_element_type")
 
-  def run(x):
+  def run(x: jax.Array) -> jax.Array:
     total = None
     for c, piece in enumerate(jax.numpy.split(x, parts, axis=1)):
       rows = pl.ds(c * chunk, chunk)
@@ -197,12 +201,13 @@ def _split_dot(eqn, env, rules: Rules):
       with eqn.ctx.manager:
         part = jax.lax.dot_general(a, b, dims, preferred_element_type=preferred)
       total = part if total is None else total + part
+    assert total is not None  # parts >= 2
     return total
 
   return run
 
 
-def merges_leading_contractions(eqn) -> bool:
+def merges_leading_contractions(eqn: jex_core.JaxprEqn) -> bool:
   """Whether `eqn` is a dot contracting axes 0..k-1 (k >= 2) of both operands."""
   if eqn.primitive.name != "dot_general":
     return False
@@ -211,7 +216,7 @@ def merges_leading_contractions(eqn) -> bool:
   return not lb and len(lc) >= 2 and tuple(lc) == lead and tuple(rc) == lead
 
 
-def _merged_dot(eqn, lhs, rhs):
+def _merged_dot(eqn: jex_core.JaxprEqn, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   """A dot contracting the leading axes of both operands, as a 2-D dot.
 
   libtpu's Mosaic (0.0.48.1) reshapes such operands to the wrong element
@@ -226,10 +231,10 @@ def _merged_dot(eqn, lhs, rhs):
     out = jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
                               precision=eqn.params.get("precision"),
                               preferred_element_type=eqn.params.get("preferred_element_type"))
-  return out.reshape(eqn.outvars[0].aval.shape)
+  return out.reshape(eqn.outvars[0].aval.shape)  # type: ignore[attr-defined]
 
 
-def _matched(invals):
+def _matched(invals: list[Any]) -> list[Any]:
   """Dot operands in one dtype: the narrower cast to the wider."""
   dtypes = [np.dtype(a.dtype) for a in invals]
   if dtypes[0] == dtypes[1]:
@@ -238,7 +243,7 @@ def _matched(invals):
   return [a.astype(wide) for a in invals]
 
 
-def _transposed_dots(jaxpr) -> dict:
+def _transposed_dots(jaxpr: jex_core.Jaxpr) -> dict:
   """{index of a 2-D dot: id of the transpose that alone consumes its result}.
 
   JAX's VJP of `h @ w` w.r.t. `w` is `transpose(dot(ct, h))`. Triton
@@ -256,7 +261,8 @@ def _transposed_dots(jaxpr) -> dict:
       uses[v] = uses.get(v, 0) + 1
   producer = {}
   for i, eqn in enumerate(jaxpr.eqns):
-    if (eqn.primitive.name == "dot_general" and len(eqn.outvars[0].aval.shape) == 2
+    if (eqn.primitive.name == "dot_general"
+        and len(eqn.outvars[0].aval.shape) == 2  # type: ignore[attr-defined]
         and eqn.params["dimension_numbers"][1] == ((), ())):
       producer[eqn.outvars[0]] = i
   found = {}
@@ -271,16 +277,18 @@ def _transposed_dots(jaxpr) -> dict:
 _INT_OF_SIZE = {1: np.int8, 2: np.int16, 4: np.int32}
 
 
-def _is_masked_select(eqn) -> bool:
+def _is_masked_select(eqn: jex_core.JaxprEqn) -> bool:
   """A two-way `select_n` on a boolean array (a `jnp.where` on a mask)."""
   if eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
     return False
+  pred: Any
+  case: Any
   pred, case = eqn.invars[0].aval, eqn.invars[1].aval
   return (pred.dtype == np.bool_ and len(pred.shape) >= 2 and case.dtype != np.bool_
           and np.dtype(case.dtype).itemsize in _INT_OF_SIZE)
 
 
-def _bitwise_select(pred, if_false, if_true):
+def _bitwise_select(pred: jax.Array, if_false: jax.Array, if_true: jax.Array) -> jax.Array:
   """`select_n(pred, if_false, if_true)` with an integer mask, bit for bit.
 
   Triton stages a boolean array in shared memory when two of its uses need
@@ -297,7 +305,7 @@ def _bitwise_select(pred, if_false, if_true):
   return out if dtype == as_int else jax.lax.bitcast_convert_type(out, dtype)
 
 
-def _transpose_fence(x):
+def _transpose_fence(x: jax.Array) -> jax.Array:
   """`x`, through an identity XLA's Triton pipeline does not look through.
 
   Triton transposes a dot operand that is contracted on the wrong axis, and
@@ -305,13 +313,13 @@ def _transpose_fence(x):
   through every elementwise op above it, copying shared subexpressions: above
   the hash RNG's rounds (`pallas_loop.random`) that takes exponential time and
   the compile never ends. A sum over a new size-1 axis is an identity it
-  stops at (a dropout mask feeding a weight gradient then compiles in
-  seconds, see benchmarks/RESULTS.md).
+  stops at (benchmarks/RESULTS.md, "Upstream causes").
   """
   return jax.numpy.sum(x.reshape(x.shape + (1,)), axis=-1)
 
 
-def _fenced(eqn, invals, computed, swapped: bool = False):
+def _fenced(eqn: jex_core.JaxprEqn, invals: list[Any], computed: list[bool],
+            swapped: bool = False) -> list[Any]:
   """Fences the 2-D dot operands Triton will transpose, if computed in the jaxpr."""
   (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
   if lb or any(np.ndim(a) != 2 for a in invals):
@@ -326,7 +334,7 @@ def _fenced(eqn, invals, computed, swapped: bool = False):
           for a, t, c in zip(invals, transposed, computed)]
 
 
-def _swapped_dot(eqn, lhs, rhs):
+def _swapped_dot(eqn: jex_core.JaxprEqn, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   """transpose(dot_general(lhs, rhs)) for a 2-D dot without batch axes."""
   (lc, rc), _ = eqn.params["dimension_numbers"]
   precision = eqn.params.get("precision")
@@ -338,7 +346,9 @@ def _swapped_dot(eqn, lhs, rhs):
         preferred_element_type=eqn.params.get("preferred_element_type"))
 
 
-def call_with_matched_dots(fn, *args, sinks=None, rules: Rules = PLAIN):
+def call_with_matched_dots(fn: Callable[..., Any], *args: Any,
+                           sinks: dict[int, Callable[[Any], Any]] | None = None,
+                           rules: Rules = PLAIN) -> Any:
   """`fn(*args)`, traced and re-evaluated with single-dtype dot operands.
 
   `sinks` ({flat output index: fn}, see `eval_jaxpr`) consume outputs as

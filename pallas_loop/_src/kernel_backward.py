@@ -6,7 +6,7 @@ Legend (shapes in comments):
   S: checkpoint slots     C: states per recomputed segment (both powers of 2)
   NT: tiles (P / TB)
 
-Each program runs `vjp_window.reverse_window` (the same function the XLA path
+Each program runs `loop_reverse.reverse_window` (the same function the XLA path
 runs on the whole batch) on its TB rows: the window forward saving a state
 every C steps, then each segment recomputed and reversed with `jax.vjp` of
 the step traced inside the kernel. Its buffers are Pallas refs
@@ -33,8 +33,10 @@ from pallas_loop._src import backend as backend_lib
 from pallas_loop._src import footprint as footprint_lib
 from pallas_loop._src import jaxpr_eval
 from pallas_loop._src import kernel_forward as kernel
-from pallas_loop._src import tiling as rows_lib
-from pallas_loop._src import loop_reverse as vjp_window
+from pallas_loop._src import loop_reverse
+from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src import tiling
+from pallas_loop._src.operands import Gradients, WindowOperands
 
 KERNEL_NAME = "pallas_loop_iterate_bwd"
 
@@ -84,7 +86,7 @@ def _float_vjp(step, shared, h, x, t, rows, ct, acc_shared: RefSum, acc_x: RefSu
 
   Adding each gradient as soon as it exists, rather than after the whole VJP,
   keeps one [D, D] float32 weight gradient live at a time instead of all of
-  them (a GRU's six at D=128 would take 384 KB of registers / shared memory).
+  them.
 
   The VJP is traced from `plain_step` (the step evaluated as traced) and
   the backend's rewrites (`rules`) are applied to the VJP's jaxpr: some of
@@ -92,11 +94,11 @@ def _float_vjp(step, shared, h, x, t, rows, ct, acc_shared: RefSum, acc_x: RefSu
   zero gradients), so they must not be differentiated.
 
   Returns:
-    (d_h, acc_shared, acc_x) as `vjp_window.step_vjp`.
+    (d_h, acc_shared, acc_x) as `loop_reverse.step_vjp`.
   """
   del step  # the kernel's evaluation of it: `plain_step` is differentiated
   leaves, tree = tree_util.tree_flatten((shared, x))
-  is_f = [vjp_window.is_float(a) for a in leaves]
+  is_f = [loop_reverse.is_float(a) for a in leaves]
   # Integer operands (key data) are closed over by the traced VJP: load them.
   leaves = [a.load() if isinstance(a, jaxpr_eval.LoadOnUse) and not f_ else a
             for a, f_ in zip(leaves, is_f)]
@@ -165,7 +167,7 @@ def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):
     params, consts = shared
     return wp.tile.traced.apply(consts, params, h, x, t, rows, rules=rules)[0]
 
-  g_h, _, _ = vjp_window.reverse_window(
+  g_h, _, _ = loop_reverse.reverse_window(
       step, shared, h, x, t0_ref[...], n_ref[...], rows_ref[...], g, every=every,
       ckpt=RefBuffer(ckpt_refs, h_tree), seg=RefBuffer(seg_refs, h_tree),
       acc_shared=RefSum(g_shared_refs), acc_x=RefSum(g_x_refs),
@@ -212,7 +214,7 @@ def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
     block_rows: rows per tile or None.
     bound: static bound on the window length; every: checkpoint interval.
   """
-  every = every or vjp_window.default_every(bound)
+  every = every or loop_reverse.default_every(bound)
   batch = tree_util.tree_leaves(h)[0].shape[0]
   return kernel.configured(backend, batch, block_rows, lambda tb: _plan_at(
       backend, step_fn, params, consts, h, x, tb, given=block_rows is not None,
@@ -222,7 +224,7 @@ def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
 def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every):
   tile = kernel.plan(backend, step_fn, params, consts, h, x, tb)
   padded = tile.rows
-  slots = (backend_lib.next_power_of_2(vjp_window.checkpoint_slots(bound, every)),
+  slots = (backend_lib.next_power_of_2(loop_reverse.checkpoint_slots(bound, every)),
            backend_lib.next_power_of_2(every))
   shared = list(tree_util.tree_leaves(params)) + list(tile.traced.const_values)
   blocks = []
@@ -240,8 +242,7 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every)
     f = lambda s_, h_, x_: tile.traced.apply(s_[1], s_[0], h_, x_, t, rows)[0]
     return jax.vjp(f, (params, consts), h, x)[1](g)
 
-  avals = lambda tree: tree_util.tree_map(
-      lambda a: jax.ShapeDtypeStruct((tb,) + a.shape[1:], a.dtype), tree)
+  avals = functools.partial(step_fn_lib.avals, rows=tb)
   column = jax.ShapeDtypeStruct((tb, 1), np.int32)
   jaxpr = jax.make_jaxpr(vjp_of_step)(
       (params, list(tile.traced.const_values)), avals(h), avals(x), column, column,
@@ -266,46 +267,32 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every)
   return WindowPlan(
       tile=tile, config=config, footprint=fp, every=every, slots=slots,
       shared_shapes=tuple(np.shape(a) for a in shared),
-      shared_float=tuple(vjp_window.is_float(a) for a in shared),
-      x_float=tuple(vjp_window.is_float(a) for a in tree_util.tree_leaves(x)),
+      shared_float=tuple(loop_reverse.is_float(a) for a in shared),
+      x_float=tuple(loop_reverse.is_float(a) for a in tree_util.tree_leaves(x)),
       problems=tuple(dict.fromkeys(problems + config_problems)))
 
 
-def run(wp: WindowPlan, params, consts, h_start, x, t0, n, row_ids, g, *, sort_rows: bool):
-  """Runs the backward kernel.
+def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool) -> Gradients:
+  """Runs the backward kernel on the rows in tiles (`tiling.in_tiles`).
 
   Args:
     wp: from `plan`, with no problems.
-    params, consts: the shared operands (consts: the caller's, in
-      `step_fn.StepFn` order).
-    h_start, x, g: leaves [B, ...].
-    t0, n: int32 [B]: each row's first step index and window length.
-    row_ids: int32 [B]: each row's index in the caller's batch.
+    ops: the window (consts: the caller's, in `step_fn.StepFn` order).
     sort_rows: order rows by descending window length before tiling.
 
   Returns:
     (g_params, g_consts, g_h_start, g_x), in the operands' dtypes (None for
     integer leaves).
   """
-  assert not wp.problems, wp.problems
+  config = wp.config
+  assert not wp.problems and config is not None, wp.problems
   tile = wp.tile
-  batch = n.shape[0]
   tb, padded = tile.block_rows, tile.rows
-  index = row_ids
-  if sort_rows:
-    order = rows_lib.descending_order(n)
-    h_start, x, g, t0, n, index = rows_lib.take_rows((h_start, x, g, t0, n, index), order)
-  h_in, x_in, g_in, t0, index = rows_lib.pad_rows((h_start, x, g, t0, index), padded,
-                                                  poison_ok=False)
-  n = rows_lib.pad_counts(n, padded)
-  columns = [a.reshape(padded, 1) for a in (n, t0, index)]
-
-  params_leaves, params_tree = tree_util.tree_flatten(params)
-  h_leaves, h_tree = tree_util.tree_flatten(h_in)
-  x_leaves, x_tree = tree_util.tree_flatten(x_in)
-  g_leaves = tree_util.tree_leaves(g_in)
-  shared = kernel.shared_operands(params_leaves, tile.traced.const_values)
   n_tiles = padded // tb
+  params_leaves, params_tree = tree_util.tree_flatten(ops.params)
+  h_tree = tree_util.tree_structure(ops.h_start)
+  x_leaves, x_tree = tree_util.tree_flatten(ops.x)
+  shared = kernel.shared_operands(params_leaves, tile.traced.const_values)
   rows_of = functools.partial(kernel.row_spec, block_rows=tb)
   tile_spec = functools.partial(kernel.row_spec, block_rows=1)  # [NT, ...]: one per program
 
@@ -314,36 +301,41 @@ def run(wp: WindowPlan, params, consts, h_start, x, t0, n, row_ids, g, *, sort_r
                         lambda i: (0, i) + (0,) * (len(a.shape) - 2))
 
   struct = jax.ShapeDtypeStruct
-  g_h_out = [struct(a.shape, a.dtype) for a in h_leaves]
-  g_x_out = [struct(a.shape, jnp.float32) for a, f in zip(x_leaves, wp.x_float) if f]
-  g_shared_out = [struct((n_tiles,) + a.shape, jnp.float32)
-                  for a, f in zip(shared, wp.shared_float) if f]
-  scratch = [struct((size, padded) + a.shape[1:], a.dtype)
-             for size in wp.slots for a in h_leaves]
   body = functools.partial(_window_kernel, wp=wp, trees=(params_tree, h_tree, x_tree),
                            every=wp.every)
-  outs = pl.pallas_call(
-      body,
-      grid=(n_tiles,),
-      in_specs=[*map(rows_of, columns), *map(kernel.full_spec, shared),
-                *map(rows_of, h_leaves + x_leaves + g_leaves)],
-      out_specs=[*map(rows_of, g_h_out + g_x_out), *map(tile_spec, g_shared_out),
-                 *map(slot_spec, scratch)],
-      out_shape=[*g_h_out, *g_x_out, *g_shared_out, *scratch],
-      compiler_params=wp.config.compiler_params,
-      interpret=tile.backend.interpret,
-      name=KERNEL_NAME,
-  )(*columns, *shared, *h_leaves, *x_leaves, *g_leaves)
 
-  it = iter(outs)
-  g_h = [next(it)[:batch] for _ in h_leaves]
-  g_x = [next(it)[:batch] if f else None for f in wp.x_float]
-  tile_sums = [next(it) if f else None for f in wp.shared_float]
-  if sort_rows:
-    inverse = rows_lib.inverse_permutation(order)
-    g_h, g_x = rows_lib.take_rows((g_h, g_x), inverse)
-  g_x = [None if a is None else a.astype(leaf.dtype)
-         for a, leaf in zip(g_x, tree_util.tree_leaves(x))]
+  def on_tiles(per_row, n):
+    h_in, x_in, g_in, t0, index = per_row
+    h_leaves, x_in_leaves, g_leaves = (tree_util.tree_leaves(a) for a in (h_in, x_in, g_in))
+    columns = [a.reshape(padded, 1) for a in (n, t0, index)]
+    g_h_out = [struct(a.shape, a.dtype) for a in h_leaves]
+    g_x_out = [struct(a.shape, jnp.float32) for a, f in zip(x_in_leaves, wp.x_float) if f]
+    g_shared_out = [struct((n_tiles,) + a.shape, jnp.float32)
+                    for a, f in zip(shared, wp.shared_float) if f]
+    scratch = [struct((size, padded) + a.shape[1:], a.dtype)
+               for size in wp.slots for a in h_leaves]
+    outs = pl.pallas_call(
+        body,
+        grid=(n_tiles,),
+        in_specs=[*map(rows_of, columns), *map(kernel.full_spec, shared),
+                  *map(rows_of, h_leaves + x_in_leaves + g_leaves)],
+        out_specs=[*map(rows_of, g_h_out + g_x_out), *map(tile_spec, g_shared_out),
+                   *map(slot_spec, scratch)],
+        out_shape=[*g_h_out, *g_x_out, *g_shared_out, *scratch],
+        compiler_params=config.compiler_params,
+        interpret=tile.backend.interpret,
+        name=KERNEL_NAME,
+    )(*columns, *shared, *h_leaves, *x_in_leaves, *g_leaves)
+    it = iter(outs)
+    g_h = [next(it) for _ in h_leaves]
+    g_x = [next(it) if f else None for f in wp.x_float]
+    tile_sums = [next(it) if f else None for f in wp.shared_float]
+    return (g_h, g_x), tile_sums
+
+  (g_h, g_x), tile_sums = tiling.in_tiles(
+      on_tiles, (ops.h_start, ops.x, ops.g, ops.t0, ops.row_ids), ops.n, rows=padded,
+      sort=sort_rows, must_be_finite=True)
+  g_x = [None if a is None else a.astype(leaf.dtype) for a, leaf in zip(g_x, x_leaves)]
 
   # Per-tile sums -> gradients of params, and of the caller's consts (a
   # traced constant stands for the caller's const `sources[j]`, or for a
@@ -353,11 +345,11 @@ def run(wp: WindowPlan, params, consts, h_start, x, t0, n, row_ids, g, *, sort_r
   n_params = len(params_leaves)
   g_params = [None if s is None else s.astype(p.dtype)
               for s, p in zip(sums[:n_params], params_leaves)]
-  g_consts = [vjp_window.float32_zeros(c) for c in consts]
+  g_consts = [loop_reverse.float32_zeros(c) for c in ops.consts]
   for s, source in zip(sums[n_params:], tile.traced.sources):
     if s is not None and source is not None:
       g_consts[source] = g_consts[source] + s
   g_consts = [None if a is None else a.astype(jnp.result_type(c))
-              for a, c in zip(g_consts, consts)]
+              for a, c in zip(g_consts, ops.consts)]
   return (tree_util.tree_unflatten(params_tree, g_params), g_consts,
           tree_util.tree_unflatten(h_tree, g_h), tree_util.tree_unflatten(x_tree, g_x))

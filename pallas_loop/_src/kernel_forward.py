@@ -5,8 +5,8 @@ Legend (shapes in comments):
   ...: a leaf's trailing (per-row) dimensions    T: a tile's largest count
 
 Each program of the 1-D grid owns TB consecutive rows (already ordered by
-descending count, see `rows.py`). It loads their state, inputs and counts,
-then runs the masked loop of `masking.run_loop`: at most T trips, fewer when
+descending count, see `tiling.py`). It loads their state, inputs and counts,
+then runs the masked loop of `loop.run_loop`: at most T trips, fewer when
 halting stops every row of the tile earlier. A row whose count is spent (or
 that has halted) is frozen by masking. The state lives in registers/VMEM
 between steps and is written once.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 from jax import tree_util
@@ -32,9 +33,12 @@ import numpy as np
 from pallas_loop._src import backend as backend_lib
 from pallas_loop._src import footprint as footprint_lib
 from pallas_loop._src import jaxpr_eval
-from pallas_loop._src import loop as masking
-from pallas_loop._src import tiling as rows_lib
+from pallas_loop._src import loop as loop_lib
 from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src import tiling
+from pallas_loop._src.operands import LoopOperands, LoopOutputs
+
+KERNEL_NAME = "pallas_loop_iterate_fwd"
 
 
 def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_row,
@@ -72,7 +76,7 @@ def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_r
   h = tree_util.tree_unflatten(h_tree, [r[...] for r in h_refs])
   rules = spec.config.eval_rules
   body = lambda p, h, x, t, rows: spec.traced.apply(consts, p, h, x, t, rows, rules=rules)
-  state = masking.run_loop(body, params, h, x, counts_ref[...], rows_ref[...], halting,
+  state = loop_lib.run_loop(body, params, h, x, counts_ref[...], rows_ref[...], halting,
                            elems_per_row, residual)
   for ref, leaf in zip(h_out_refs, tree_util.tree_leaves(state.h)):
     ref[...] = leaf
@@ -105,11 +109,6 @@ class TilePlan:
   config: backend_lib.KernelConfig | None
   footprint: footprint_lib.Footprint | None
   problems: tuple[str, ...]
-
-
-def _tile_avals(tree, block_rows):
-  return tree_util.tree_map(
-      lambda a: jax.ShapeDtypeStruct((block_rows,) + a.shape[1:], a.dtype), tree)
 
 
 def shared_2d(a) -> tuple[int, ...]:
@@ -173,8 +172,8 @@ def plan(backend, step_fn, params, consts, h0, x, block_rows=None) -> TilePlan:
 
 def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given) -> TilePlan:
   batch = tree_util.tree_leaves(h0)[0].shape[0]
-  padded = -(-batch // tb) * tb
-  traced = step_fn.specialize(params, consts, _tile_avals(h0, tb), _tile_avals(x, tb))
+  padded = tiling.padded_rows(batch, tb)
+  traced = step_fn.specialize(params, consts, step_fn_lib.avals(h0, tb), step_fn_lib.avals(x, tb))
   blocks = [backend_lib.Block("iters", (tb, 1), (padded, 1)),
             backend_lib.Block("row indices", (tb, 1), (padded, 1))]
   for name, tree in (("h0", h0), ("x", x)):
@@ -192,8 +191,8 @@ def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given) -> TilePlan:
               + backend.extra_problems(traced.jaxpr))
   shared = list(tree_util.tree_leaves(params)) + list(traced.const_values)
   # Row blocks: h in and out, x, and four [TB, 1] columns (counts, rows, stats).
-  row_blocks = (2 * tree_util.tree_leaves(_tile_avals(h0, tb))
-                + tree_util.tree_leaves(_tile_avals(x, tb))
+  row_blocks = (2 * tree_util.tree_leaves(step_fn_lib.avals(h0, tb))
+                + tree_util.tree_leaves(step_fn_lib.avals(x, tb))
                 + [jax.ShapeDtypeStruct((tb, 1), np.int32)] * 5)
   fp = footprint_lib.measure(
       [(traced.jaxpr, len(tree_util.tree_leaves(params)))], batch=batch, block_rows=tb,
@@ -207,65 +206,54 @@ def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given) -> TilePlan:
       config=config, footprint=fp, problems=tuple(problems + config_problems))
 
 
-def run(tile_plan: TilePlan, params, h0, x, counts, row_ids, halting, *, sort_rows: bool,
-        name: str, residual: bool = True):
-  """Runs the kernel: orders and pads rows, calls Pallas, restores the order.
+def run(tile_plan: TilePlan, ops: LoopOperands, *, sort_rows: bool,
+        residual: bool = True) -> LoopOutputs:
+  """Runs the kernel on the rows in tiles (`tiling.in_tiles`).
 
   Args:
     tile_plan: from `plan`, with no problems.
-    params, h0, x: the operands (h0/x leaves [B, ...]).
-    counts: int32 [B], already clipped to [0, max_iters].
-    row_ids: int32 [B], each row's index in the caller's batch.
-    halting: None or `masking.Halting` (0-d operands).
+    ops: the loop's operands (consts: the caller's; the kernel takes the
+      traced step's own constants from `tile_plan`).
     sort_rows: order rows by descending count before tiling.
-    name: the `pallas_call` name.
     residual: track each row's last residual (else it is returned as 0).
-
-  Returns:
-    (h, residual, steps, halted): the final state; float32, int32, bool [B].
   """
-  assert not tile_plan.problems, tile_plan.problems
-  batch = counts.shape[0]
+  config = tile_plan.config
+  assert not tile_plan.problems and config is not None, tile_plan.problems
   tb, padded = tile_plan.block_rows, tile_plan.rows
-  index = row_ids
-  if sort_rows:
-    order = rows_lib.descending_order(counts)
-    h0, x, counts, index = rows_lib.take_rows((h0, x, counts, index), order)
-  h_in, x_in, index = rows_lib.pad_rows((h0, x, index), padded)
-  counts_col = rows_lib.pad_counts(counts, padded).reshape(padded, 1)
-  index_col = index.reshape(padded, 1)
-
-  params_leaves, params_tree = tree_util.tree_flatten(params)
-  h_leaves, h_tree = tree_util.tree_flatten(h_in)
-  x_leaves, x_tree = tree_util.tree_flatten(x_in)
+  params_leaves, params_tree = tree_util.tree_flatten(ops.params)
+  h_tree: Any = tree_util.tree_structure(ops.h0)
+  x_tree: Any = tree_util.tree_structure(ops.x)
   shared = shared_operands(params_leaves, tile_plan.traced.const_values)
-  halting_leaves, halting_tree = tree_util.tree_flatten(halting)
+  halting_leaves, halting_tree = tree_util.tree_flatten(ops.halting)
   halting_ops = [a.reshape(1, 1) for a in halting_leaves]
   rows_of = functools.partial(row_spec, block_rows=tb)
-
   kernel = functools.partial(
       _iterate_kernel, spec=tile_plan, trees=(params_tree, halting_tree, h_tree, x_tree),
       n_ops=(len(params_leaves), len(tile_plan.const_shapes), len(halting_ops),
-             len(h_leaves), len(x_leaves)),
-      elems_per_row=masking.elems_per_row(h_leaves), residual=residual)
+             h_tree.num_leaves, x_tree.num_leaves),
+      elems_per_row=loop_lib.elems_per_row(ops.h0), residual=residual)
   column = lambda dtype: jax.ShapeDtypeStruct((padded, 1), dtype)
   stats = [column(jnp.float32), column(jnp.int32), column(jnp.int32)]
-  outs = pl.pallas_call(
-      kernel,
-      grid=(padded // tb,),
-      in_specs=[rows_of(counts_col), rows_of(index_col),
-                *map(full_spec, shared + halting_ops),
-                *map(rows_of, h_leaves), *map(rows_of, x_leaves)],
-      out_specs=[*map(rows_of, h_leaves), *map(rows_of, stats)],
-      out_shape=[*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in h_leaves), *stats],
-      compiler_params=tile_plan.config.compiler_params,
-      interpret=tile_plan.backend.interpret,
-      name=name,
-  )(counts_col, index_col, *shared, *halting_ops, *h_leaves, *x_leaves)
-  h_out = [a[:batch] for a in outs[:-3]]
-  residual, steps, halted = (a[:batch, 0] for a in outs[-3:])
-  if sort_rows:
-    inverse = rows_lib.inverse_permutation(order)
-    h_out, residual, steps, halted = rows_lib.take_rows(
-        (h_out, residual, steps, halted), inverse)
-  return tree_util.tree_unflatten(h_tree, h_out), residual, steps, halted > 0
+
+  def on_tiles(per_row, counts):
+    h_leaves, x_leaves, index = tree_util.tree_leaves(per_row[0]), tree_util.tree_leaves(
+        per_row[1]), per_row[2]
+    columns = [counts.reshape(padded, 1), index.reshape(padded, 1)]
+    outs = pl.pallas_call(
+        kernel,
+        grid=(padded // tb,),
+        in_specs=[*map(rows_of, columns), *map(full_spec, shared + halting_ops),
+                  *map(rows_of, h_leaves), *map(rows_of, x_leaves)],
+        out_specs=[*map(rows_of, h_leaves), *map(rows_of, stats)],
+        out_shape=[*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in h_leaves), *stats],
+        compiler_params=config.compiler_params,
+        interpret=tile_plan.backend.interpret,
+        name=KERNEL_NAME,
+    )(*columns, *shared, *halting_ops, *h_leaves, *x_leaves)
+    h_out = tree_util.tree_unflatten(h_tree, outs[:-3])
+    return (h_out, *(a[:, 0] for a in outs[-3:])), None
+
+  (h, residual_out, steps, halted), _ = tiling.in_tiles(
+      on_tiles, (ops.h0, ops.x, ops.row_ids), ops.counts, rows=padded, sort=sort_rows,
+      must_be_finite=False)
+  return LoopOutputs(h, residual_out, steps, halted > 0)

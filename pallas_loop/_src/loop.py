@@ -13,7 +13,7 @@ and is the row's last. The loop ends when no row is running.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 from jax import lax
@@ -21,16 +21,7 @@ from jax import tree_util
 import jax.numpy as jnp
 import numpy as np
 
-
-class Halting(NamedTuple):
-  """Halting operands (a pytree), as arrays broadcastable against [R, 1].
-
-  Whether a `halt=` criterion is used is not stored: the body's flag output
-  is None without one.
-  """
-
-  tol: Any        # float32, or None: no tolerance test
-  min_iters: Any  # int32
+from pallas_loop._src.operands import Halting
 
 
 class LoopState(NamedTuple):
@@ -42,7 +33,7 @@ class LoopState(NamedTuple):
   halted: jax.Array    # int32 0/1: a criterion stopped the row
 
 
-def elems_per_row(h) -> int:
+def elems_per_row(h: Any) -> int:
   """Number of state elements in one row (over all leaves of `h`, [R, ...])."""
   return sum(int(np.prod(np.shape(a)[1:])) for a in tree_util.tree_leaves(h))
 
@@ -64,14 +55,14 @@ def row_sum_squares(d: jax.Array) -> jax.Array:
   return jnp.sum(d, axis=1, keepdims=True)
 
 
-def update_rms(h_new, h, elems_per_row: int) -> jax.Array:
+def update_rms(h_new: Any, h: Any, elems_per_row: int) -> jax.Array:
   """[R, 1] float32 rms over all state elements of the row of `h_new - h`."""
   ss = sum(row_sum_squares(n.astype(jnp.float32) - o.astype(jnp.float32))
            for n, o in zip(tree_util.tree_leaves(h_new), tree_util.tree_leaves(h)))
   return jnp.sqrt(ss * (1.0 / max(elems_per_row, 1)))
 
 
-def select_rows(active, new, old):
+def select_rows(active: jax.Array, new: Any, old: Any) -> Any:
   """Per leaf: rows where `active` ([R, 1]) from `new`, others from `old`."""
   return tree_util.tree_map(lambda n, o: jnp.where(row_mask(active, o.shape), n, o), new, old)
 
@@ -81,8 +72,8 @@ def _as_column(flag: jax.Array, rows: int) -> jax.Array:
   return flag.astype(jnp.int32).reshape(rows, 1) > 0
 
 
-def apply_update(s, running, t, h_new, flag, halting: Halting | None,
-                 elems_per_row: int, residual: bool = True):
+def apply_update(s: Any, running: jax.Array, t: jax.Array, h_new: Any, flag: jax.Array | None,
+                 halting: Halting | None, elems_per_row: int, residual: bool = True) -> Any:
   """One step's effect on the per-row state (shared by every loop).
 
   Args:
@@ -97,7 +88,7 @@ def apply_update(s, running, t, h_new, flag, halting: Halting | None,
     residual: track the rms of each row's last update. False when nobody
       reads it (no `return_info`): the residual then stays as it was, and
       without a tolerance the rms is not computed at all (a reduction over
-      the state per step, ~15% of a light step on CPU).
+      the state per step).
 
   Returns:
     `s` with the step applied to the running rows: new state, residual (rms
@@ -117,13 +108,15 @@ def apply_update(s, running, t, h_new, flag, halting: Halting | None,
     halted = jnp.where(stop, 1, halted)
   return s._replace(
       h=select_rows(running, h_new, s.h),
-      residual=jnp.where(running, rms, s.residual) if residual else s.residual,
+      residual=jnp.where(running, rms, s.residual) if residual and rms is not None
+      else s.residual,
       steps=s.steps + running.astype(jnp.int32),
       halted=halted)
 
 
-def run_loop(body, params, h, x, counts, rows, halting: Halting | None,
-             elems_per_row: int, residual: bool = True) -> LoopState:
+def run_loop(body: Callable[..., Any], params: Any, h: Any, x: Any, counts: jax.Array,
+             rows: jax.Array, halting: Halting | None, elems_per_row: int,
+             residual: bool = True) -> LoopState:
   """Runs `body` on the rows until none is running.
 
   Args:
@@ -146,14 +139,14 @@ def run_loop(body, params, h, x, counts, rows, halting: Halting | None,
   # a while loop that carries a tile-wide reduction computed in its body next
   # to a [R, D] state ("'arith.addi' op requires the same encoding for all
   # operands and results", or a segfault), see benchmarks/RESULTS.md.
-  def running_rows(t, s):
+  def running_rows(t: jax.Array, s: LoopState) -> jax.Array:
     return (t < counts) & (s.halted == 0)
 
-  def any_running(carry):
+  def any_running(carry: tuple[jax.Array, LoopState]) -> jax.Array:
     t, s = carry
     return jnp.max(running_rows(t, s).astype(jnp.int32)) > 0
 
-  def step(carry):
+  def step(carry: tuple[jax.Array, LoopState]) -> tuple[jax.Array, LoopState]:
     t, s = carry
     running = running_rows(t, s)
     h_new, flag = body(params, s.h, x, jnp.broadcast_to(t, counts.shape), rows)

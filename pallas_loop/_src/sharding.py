@@ -45,20 +45,22 @@ docs/sharding.md for the ways out (`jax.make_mesh`'s explicit axes, or
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import jax
 import numpy as np
 from jax import tree_util
+from jax.sharding import AbstractMesh
 from jax.sharding import AxisType
+from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-_warned: set[str] = set()
+from pallas_loop._src import notices
+from pallas_loop._src.operands import LoopOperands, LoopOutputs
 
 
-def _sharding_of(a):
+def _sharding_of(a: Any) -> NamedSharding | None:
   """The `NamedSharding` in `a`'s type, or None (no mesh, or not an array)."""
   try:
     s = jax.typeof(a).sharding
@@ -69,14 +71,14 @@ def _sharding_of(a):
   return s
 
 
-def _axes(entry) -> tuple[str, ...]:
+def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
   """Mesh axis names of one PartitionSpec entry (None, a name or a tuple)."""
   if entry is None:
     return ()
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _row_entry(s: NamedSharding):
+def _row_entry(s: NamedSharding) -> str | tuple[str, ...] | None:
   """The explicit mesh axes that axis 0 is split over, as a spec entry, or None."""
   if not s.spec or s.spec[0] is None or s.spec[0] == P.UNCONSTRAINED:
     return None
@@ -86,7 +88,7 @@ def _row_entry(s: NamedSharding):
   return s.spec[0]
 
 
-def row_sharding(*row_trees):
+def row_sharding(*row_trees: Any) -> tuple[Mesh | AbstractMesh, Any] | None:
   """Where the rows of `row_trees` live: (mesh, spec entry) or None.
 
   The first leaf (h0's first, then x's, then the counts') whose type shows
@@ -113,7 +115,7 @@ def row_sharding(*row_trees):
   return None
 
 
-def _warn_auto_axes(row_trees) -> None:
+def _warn_auto_axes(row_trees: Any) -> None:
   """Warns once if the rows sit on a multi-device mesh with Auto axes."""
   for leaf in tree_util.tree_leaves(row_trees):
     s = _sharding_of(leaf)
@@ -133,16 +135,14 @@ def _warn_auto_axes(row_trees) -> None:
         "(jax.make_mesh's default) or wrap the call in "
         "jax.sharding.explicit_axes(..., axes=..., in_sharding=...); see "
         "docs/sharding.md.")
-    if message not in _warned:
-      _warned.add(message)
-      warnings.warn(message, UserWarning, stacklevel=4)
+    notices.warn_once(message, stacklevel=4)
     return
 
 
-def _reshard(tree, mesh, spec_of):
+def _reshard(tree: Any, mesh: Mesh | AbstractMesh, spec_of: Callable[..., P]) -> Any:
   """Reshards every leaf of `tree` to `spec_of(leaf)` where it differs."""
 
-  def one(a):
+  def one(a: Any) -> Any:
     want = spec_of(a)
     s = _sharding_of(a)
     have = s.spec._normalized_spec_for_aval(a.ndim) if s is not None else None
@@ -153,7 +153,7 @@ def _reshard(tree, mesh, spec_of):
   return tree_util.tree_map(one, tree)
 
 
-def _output_spec(h0_leaf, entry) -> P:
+def _output_spec(h0_leaf: Any, entry: str | tuple[str, ...]) -> P:
   """How a final-state leaf leaves `per_shard`: rows split over `entry`, the
   trailing axes split as in its h0 leaf (the loop needed them whole).
 
@@ -169,24 +169,23 @@ def _output_spec(h0_leaf, entry) -> P:
   return P(entry, *trailing)
 
 
-def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[..., Any]:
-  """`fn(params, consts, h0, x, counts, row_ids, halting)` run on each shard's rows.
+def per_shard(fn: Callable[[LoopOperands], LoopOutputs], *,
+              warn_auto: bool = True) -> Callable[[LoopOperands], LoopOutputs]:
+  """`fn(ops)` run on each shard's rows.
 
-  `fn` is the (differentiable) loop over a batch: it returns
-  `(h, residual, steps, halted)` with `h` structured like `h0` and the
-  others [B]. When the row axis of `h0`, `x` or `counts` is sharded over
-  explicit mesh axes, the returned function runs `fn` under `jax.shard_map`
-  on each device's B/n rows (see the module doc) and returns outputs sharded
-  like the inputs (rows over the same mesh axes; each leaf of `h` with the
-  trailing-axis sharding of its `h0` leaf); otherwise it is `fn` itself. It is
-  differentiable wherever `fn` is: the cotangents of params/consts are summed
-  over the mesh, those of h0/x stay sharded.
+  `fn` is the (differentiable) loop over a batch. When the row axis of
+  `ops.h0`, `ops.x` or `ops.counts` is sharded over explicit mesh axes, the
+  returned function runs `fn` under `jax.shard_map` on each device's B/n rows
+  (see the module doc) and returns outputs sharded like the inputs (rows over
+  the same mesh axes; each leaf of `h` with the trailing-axis sharding of its
+  `h0` leaf); otherwise it is `fn` itself. It is differentiable wherever `fn`
+  is: the cotangents of params/consts are summed over the mesh, those of
+  h0/x stay sharded.
 
   Args:
-    fn: `fn(params, consts, h0, x, counts, row_ids, halting) -> (h,
-      residual, steps, halted)`, row independent (every output row depends
-      only on the same row of h0, x, counts and row_ids: int32 [B], each
-      row's index in the caller's batch, sharded with the rows).
+    fn: LoopOperands -> LoopOutputs, row independent (every output row
+      depends only on the same row of h0, x, counts and row_ids, which are
+      sharded with the rows).
     warn_auto: warn (once) when the rows live on a multi-device mesh with
       Auto axes, where the sharding cannot be seen (neither implementation
       then runs per shard).
@@ -197,20 +196,21 @@ def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[...
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from pallas_loop._src import sharding
-    >>> loop = lambda p, c, h, x, n, ids, halting: (h * p, h[:, 0], n, n > 0)
-    >>> h, *_ = sharding.per_shard(loop)(2.0, [], jnp.ones((4, 3)), None,
-    ...                                  jnp.ones(4, jnp.int32),
-    ...                                  jnp.arange(4, dtype=jnp.int32), None)
-    >>> h.shape
+    >>> from pallas_loop._src.operands import LoopOperands, LoopOutputs
+    >>> loop = lambda ops: LoopOutputs(ops.h0 * ops.params, ops.h0[:, 0], ops.counts,
+    ...                                ops.counts > 0)
+    >>> ops = LoopOperands(2.0, [], jnp.ones((4, 3)), None, jnp.ones(4, jnp.int32),
+    ...                    jnp.arange(4, dtype=jnp.int32), None)
+    >>> sharding.per_shard(loop)(ops).h.shape
     (4, 3)
   """
 
-  def run(params, consts, h0, x, counts, row_ids, halting):
-    found = row_sharding(h0, x, counts)
+  def run(ops: LoopOperands) -> LoopOutputs:
+    found = row_sharding(ops.h0, ops.x, ops.counts)
     if found is None:
       if warn_auto:
-        _warn_auto_axes((h0, x, counts))
-      return fn(params, consts, h0, x, counts, row_ids, halting)
+        _warn_auto_axes((ops.h0, ops.x, ops.counts))
+      return fn(ops)
     mesh, entry = found
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context != mesh.abstract_mesh:
@@ -221,7 +221,7 @@ def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[...
     shards = 1
     for name in _axes(entry):
       shards *= mesh.shape[name]
-    batch = counts.shape[0]
+    batch = ops.counts.shape[0]
     if batch % shards:
       raise ValueError(
           f"pallas_loop.iterate: {batch} rows cannot be split evenly over the "
@@ -230,20 +230,19 @@ def per_shard(fn: Callable[..., Any], *, warn_auto: bool = True) -> Callable[...
 
     rows = lambda a: P(entry, *(None,) * (a.ndim - 1))
     everywhere = lambda a: P()
-    h_specs = [_output_spec(a, entry) for a in tree_util.tree_leaves(h0)]
+    h_specs = [_output_spec(a, entry) for a in tree_util.tree_leaves(ops.h0)]
     # row_ids travel with their rows: a shard's rows keep their indices in
     # the caller's batch (their random keys depend on them).
-    h0, x, counts, row_ids = _reshard((h0, x, counts, row_ids), mesh, rows)
-    params, consts, halting = _reshard((params, consts, halting), mesh, everywhere)
+    h0, x, counts, row_ids = _reshard((ops.h0, ops.x, ops.counts, ops.row_ids), mesh, rows)
+    params, consts, halting = _reshard((ops.params, ops.consts, ops.halting), mesh, everywhere)
 
     sharded = jax.shard_map(
         fn, mesh=mesh,
-        in_specs=(P(), P(), P(entry), P(entry), P(entry), P(entry), P()),
+        in_specs=(LoopOperands(P(), P(), P(entry), P(entry), P(entry), P(entry), P()),),
         out_specs=P(entry), check_vma=False)
-    h, residual, steps, halted = sharded(params, consts, h0, x, counts, row_ids, halting)
-    h_leaves, h_tree = tree_util.tree_flatten(h)
-    h = tree_util.tree_unflatten(h_tree, [
-        _reshard(a, mesh, lambda _, spec=spec: spec) for a, spec in zip(h_leaves, h_specs)])
-    return h, residual, steps, halted
+    out = sharded(LoopOperands(params, consts, h0, x, counts, row_ids, halting))
+    h_leaves, h_tree = tree_util.tree_flatten(out.h)
+    return out._replace(h=tree_util.tree_unflatten(h_tree, [
+        _reshard(a, mesh, lambda _, spec=spec: spec) for a, spec in zip(h_leaves, h_specs)]))
 
   return run

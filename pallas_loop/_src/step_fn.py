@@ -22,9 +22,17 @@ import numpy as np
 from pallas_loop._src import jaxpr_eval
 
 
-def _aval_of(tree):
-  return tree_util.tree_map(
-      lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.numpy.result_type(a)), tree)
+def avals(tree: Any, rows: int | None = None) -> Any:
+  """`ShapeDtypeStruct`s of `tree`'s leaves; with `rows`, the leading (row)
+  axis of each is `rows` long (a tile of the batch)."""
+
+  def aval(a):
+    shape = tuple(np.shape(a))
+    if rows is not None:
+      shape = (rows,) + shape[1:]
+    return jax.ShapeDtypeStruct(shape, jax.numpy.result_type(a))
+
+  return tree_util.tree_map(aval, tree)
 
 
 def _describe(struct) -> str:
@@ -93,14 +101,14 @@ def trace_step(step: Callable, params, h0, x):
     of `ShapeDtypeStruct` it returns.
   """
   closed, out_shape = jax.make_jaxpr(step, return_shape=True)(
-      _aval_of(params), _aval_of(h0), _aval_of(x), *row_index_avals(h0))
+      avals(params), avals(h0), avals(x), *row_index_avals(h0))
   return list(closed.consts), out_shape
 
 
 def check_step_output(out_shape, h0) -> None:
   """Raises unless `step` returns the structure, shapes and dtypes of `h0`."""
-  h_struct = tree_util.tree_structure(h0)
-  out_struct = tree_util.tree_structure(out_shape)
+  h_struct: Any = tree_util.tree_structure(h0)
+  out_struct: Any = tree_util.tree_structure(out_shape)
   if h_struct != out_struct:
     raise TypeError(
         "step(params, h, x) must return the pytree structure of h0; "
@@ -165,7 +173,7 @@ class StepFn:
   def specialize(self, params, consts, h, x) -> SpecializedStep:
     """Traces `step` at the shapes of `h`/`x` and maps its captured arrays."""
     closed, out_shape = jax.make_jaxpr(self.step, return_shape=True)(
-        _aval_of(params), _aval_of(h), _aval_of(x), *row_index_avals(h))
+        avals(params), avals(h), avals(x), *row_index_avals(h))
     by_id = {id(c): i for i, c in enumerate(self.outer_consts)}
     values, sources = [], []
     for c in closed.consts:

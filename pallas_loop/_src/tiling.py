@@ -1,37 +1,28 @@
-"""Row bookkeeping around the kernel: ordering by count, padding to whole tiles.
+"""Rows in tiles: order by count, pad to whole tiles, run, unpad, restore order.
 
-A tile of the kernel runs until its slowest row is done, so rows are ordered by
-descending count before tiling (tiles then hold rows of similar counts) and put
-back in the caller's order afterwards. The batch is padded to whole tiles with
-rows of count 0 that copy a real row: the step still sees them (a tile is
-computed whole) but their results are dropped, and copying a real row keeps
+Every implementation runs the same row bookkeeping around its loop, and this
+module is its one copy (`in_tiles`): the forward and backward kernels (one
+program per tile), the XLA backward (one `lax.map` trip per group of rows)
+and the XLA forward (one tile: the batch).
+
+A tile runs until its slowest row is done, so rows are ordered by descending
+count first (tiles then hold rows of similar counts) and put back in the
+caller's order afterwards. The batch is padded to whole tiles with rows of
+count 0 that copy a real row: the loop still computes them (a tile is
+computed whole), their results are dropped, and copying a real row keeps
 them finite, so even in a backward pass where they get a zero cotangent they
 cannot turn a parameter gradient into NaN (0 * NaN = NaN).
 """
 
 from __future__ import annotations
 
-import contextlib
+from typing import Any, Callable, TypeVar
 
 import jax
 import jax.numpy as jnp
 from jax import tree_util
 
-_POISON_PADDING = False
-
-
-@contextlib.contextmanager
-def poisoned_padding():
-  """Testing aid: pad with NaN (floats) / -1 (ints) instead of a copied row.
-
-  Used by the tests to prove that no padded row ever reaches the output.
-  """
-  global _POISON_PADDING
-  old, _POISON_PADDING = _POISON_PADDING, True
-  try:
-    yield
-  finally:
-    _POISON_PADDING = old
+T = TypeVar("T")
 
 
 def descending_order(counts: jax.Array) -> jax.Array:
@@ -45,38 +36,74 @@ def inverse_permutation(order: jax.Array) -> jax.Array:
       jnp.arange(order.shape[0], dtype=order.dtype))
 
 
-def take_rows(tree, index: jax.Array):
-  """Gathers rows `index` (in bounds: a permutation or a subset) of every leaf.
-
-  mode="clip": the indices are in bounds by construction, and XLA:CPU gathers
-  without the out-of-bounds fill mask about twice as fast (1024 x 64 float32:
-  45 us instead of 80-85 us, measured on the 2-core CPU).
-  """
+def take_rows(tree: T, index: jax.Array) -> T:
+  """Gathers rows `index` of every leaf; the indices are in bounds by
+  construction (a permutation or a subset), so no out-of-bounds mask
+  (`mode="clip"`: the faster gather on XLA:CPU, see RESULTS.md)."""
   return tree_util.tree_map(lambda a: jnp.take(a, index, axis=0, mode="clip"), tree)
 
 
-def pad_rows(tree, rows: int, *, poison_ok: bool = True):
-  """Pads every leaf of `tree` along axis 0 to `rows` rows (see module doc).
+def pad_rows(tree: T, rows: int, *, must_be_finite: bool) -> T:
+  """Pads every leaf of `tree` along axis 0 to `rows` rows with copies of its
+  last row (zeros when it has none).
 
-  `poison_ok=False` always copies a real row, even under `poisoned_padding`:
-  for the backward kernel, whose masked steps run the VJP with a zero
-  cotangent, where a NaN row would make the parameter gradients NaN.
+  `must_be_finite` says whether the caller relies on the padding being
+  finite (a backward, whose padded rows get zero cotangents); the library
+  pads the same way either way, and `pallas_loop.testing.poisoned_padding`
+  replaces the padding with NaN where it is False, to show that no padded row
+  reaches a result.
   """
 
   def pad(a):
     extra = rows - a.shape[0]
     if extra == 0:
       return a
-    if _POISON_PADDING and poison_ok:
-      fill = jnp.nan if jnp.issubdtype(a.dtype, jnp.inexact) else -1
-      block = jnp.full((extra,) + a.shape[1:], fill, a.dtype)
-    else:
-      block = jnp.broadcast_to(a[-1:], (extra,) + a.shape[1:])
-    return jnp.concatenate([a, block], axis=0)
+    if a.shape[0] == 0:
+      return jnp.zeros((rows,) + a.shape[1:], a.dtype)
+    return jnp.concatenate([a, jnp.broadcast_to(a[-1:], (extra,) + a.shape[1:])], axis=0)
 
   return tree_util.tree_map(pad, tree)
 
 
-def pad_counts(counts: jax.Array, rows: int) -> jax.Array:
-  """Pads the counts with zeros: padded rows never apply a step."""
-  return jnp.pad(counts, (0, rows - counts.shape[0]))
+def padded_rows(batch: int, tile_rows: int) -> int:
+  """The batch padded to whole tiles, at least one tile (so that an empty
+  batch still gives the loop a shape to compile)."""
+  return max(1, -(-batch // tile_rows)) * tile_rows
+
+
+def in_tiles(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
+             counts: jax.Array, *, rows: int, sort: bool,
+             must_be_finite: bool) -> tuple[Any, Any]:
+  """Runs `run` on the rows ordered by count and padded to `rows` rows.
+
+  Args:
+    run: run(per_row, counts) -> (per_row_out, other): the loop on the
+      ordered, padded rows (counts int32 [rows], 0 on the padding);
+      `per_row_out` has a leading row axis of `rows`, `other` (e.g. per-tile
+      parameter-gradient sums) is returned as it is.
+    per_row: pytree of arrays [B, ...] that travel with their rows.
+    counts: int32 [B]: each row's step count (the order's key).
+    rows: the padded row count (`padded_rows`); B when there is no padding.
+    sort: order rows by descending count first.
+    must_be_finite: see `pad_rows`.
+
+  Returns:
+    (per_row_out cut to B rows in the caller's order, other).
+
+  Example:
+    >>> run = lambda rows, n: (rows * n, n.shape[0])
+    >>> in_tiles(run, jnp.array([1, 2, 3]), jnp.array([1, 3, 2]), rows=4,
+    ...          sort=True, must_be_finite=False)
+    (Array([1, 6, 6], dtype=int32), 4)
+  """
+  batch = counts.shape[0]
+  if sort:
+    order = descending_order(counts)
+    per_row, counts = take_rows((per_row, counts), order)
+  per_row = pad_rows(per_row, rows, must_be_finite=must_be_finite)
+  counts = jnp.pad(counts, (0, rows - batch))  # padded rows never apply a step
+  out, other = run(per_row, counts)
+  out = tree_util.tree_map(lambda a: a[:batch], out)
+  if sort:
+    out = take_rows(out, inverse_permutation(order))
+  return out, other

@@ -3,15 +3,35 @@
 from __future__ import annotations
 
 import operator
+from typing import Any, Callable
 
 import jax
 from jax import tree_util
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_loop._src import loop as masking
+from pallas_loop._src.operands import Halting, Tiling
 
 IMPLEMENTATIONS = (None, "pallas", "xla")
+
+
+def static_int(name: str, value: Any, lowest: int) -> int:
+  """`value` as a Python int >= `lowest`, or an error naming `name`."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be a static Python int >= {lowest}, got {value!r} of type "
+                    f"{type(value).__name__}.")
+  v = int(value)
+  if v < lowest:
+    raise ValueError(f"{name}={v} must be >= {lowest}.")
+  return v
+
+
+def concrete(value: Any) -> np.ndarray | None:
+  """`value` as a NumPy array if it is known at trace time, else None."""
+  try:
+    return np.asarray(value)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return None
 
 
 def _shape(a) -> tuple[int, ...]:
@@ -24,18 +44,16 @@ def _dtype(a):
   return jnp.result_type(a)
 
 
-def check_max_iters(max_iters) -> int:
-  if isinstance(max_iters, bool) or not isinstance(max_iters, (int, np.integer)):
-    raise TypeError(
-        f"max_iters must be a static Python int >= 0, got {max_iters!r} of type "
-        f"{type(max_iters).__name__}; it sizes buffers at trace time, so pass "
-        "a constant (e.g. max_iters=64), not an array.")
-  if max_iters < 0:
-    raise ValueError(f"{max_iters=} must be >= 0.")
-  return int(max_iters)
+def check_max_iters(max_iters: Any) -> int:
+  """`max_iters` as a Python int >= 0 (it sizes buffers at trace time)."""
+  try:
+    return static_int("max_iters", max_iters, 0)
+  except TypeError as e:
+    raise TypeError(f"{e} It sizes buffers at trace time, so pass a constant "
+                    "(e.g. max_iters=64), not an array.") from None
 
 
-def batch_size(h0, x) -> int:
+def batch_size(h0: Any, x: Any) -> int:
   """The shared row count B of every leaf of h0 and x, or a clear error."""
   h_leaves = tree_util.tree_flatten_with_path(h0)[0]
   if not h_leaves:
@@ -61,7 +79,7 @@ def batch_size(h0, x) -> int:
   return next(iter(rows.values()))
 
 
-def counts_from_iters(iters, batch: int, max_iters: int) -> jax.Array:
+def counts_from_iters(iters: Any, batch: int, max_iters: int) -> jax.Array:
   """int32 [B] step counts: iters broadcast to the batch, clipped to [0, max_iters]
   (None: max_iters for every row)."""
   if iters is None:
@@ -84,8 +102,9 @@ def counts_from_iters(iters, batch: int, max_iters: int) -> jax.Array:
   return jnp.broadcast_to(counts, (batch,))
 
 
-def halting_operands(tol, halt, min_iters):
-  """`masking.Halting(tol, min_iters)` as float32/int32 0-d arrays, after checks.
+def halting_operands(tol: Any, halt: Callable[..., Any] | None,
+                     min_iters: Any) -> Halting | None:
+  """`Halting(tol, min_iters)` as float32/int32 0-d arrays, after checks.
 
   Returns None when neither `tol` nor `halt` is given (no halting).
   """
@@ -111,10 +130,12 @@ def halting_operands(tol, halt, min_iters):
   tol_op = None if tol is None else jnp.asarray(tol).astype(jnp.float32)
   min_op = jnp.asarray(min(int(min_iters), 2**31 - 1)
                        if isinstance(min_iters, (int, np.integer)) else min_iters).astype(jnp.int32)
-  return masking.Halting(tol=tol_op, min_iters=min_op)
+  return Halting(tol=tol_op, min_iters=min_op)
 
 
-def check_options(step, implementation, interpret, block_rows, sort_rows) -> None:
+def check_options(step: Any, implementation: Any, interpret: Any, block_rows: Any,
+                  sort_rows: Any) -> Tiling:
+  """The tiling options after checks (and `step` is callable)."""
   if not callable(step):
     raise TypeError(f"step must be callable as step(params, h, x), got "
                     f"{type(step).__name__}.")
@@ -132,3 +153,5 @@ def check_options(step, implementation, interpret, block_rows, sort_rows) -> Non
       raise ValueError(f"{block_rows=} must be a positive int or None.")
   if not isinstance(sort_rows, bool):
     raise TypeError(f"{sort_rows=} must be a bool.")
+  return Tiling(implementation=implementation, interpret=interpret, block_rows=block_rows,
+                sort_rows=sort_rows)

@@ -30,32 +30,28 @@ sum(n_i) instead of B * max(n_i).
   which the body gets with the step index (random keys depend on both).
 
 Per row, the applied steps, the halting rule, the residual and the masking
-are those of `masking.run_loop` (the reference semantics), evaluated on the
+are those of `loop_lib.run_loop` (the reference semantics), evaluated on the
 bucket's rows; rows in a bucket that are not running are computed and
 discarded, never read by another row.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 from jax import lax
 from jax import tree_util
 import jax.numpy as jnp
-import numpy as np
 
-from pallas_loop._src import loop as masking
-from pallas_loop._src import tiling as rows_lib
+from pallas_loop._src import loop as loop_lib
+from pallas_loop._src import tiling
+from pallas_loop._src.operands import LoopOperands, LoopOutputs
 
 # The ladder: linear steps of ~B/LINEAR_STEPS rows (bounded waste per step),
-# then halving below the first step (bounded relative waste on the tail), no
-# bucket under MIN_ROWS rows (per-step overhead dominates there anyway, and
-# each stage is one more loop to compile). 4 linear steps rather than 8: on
-# the 2-core CPU the same fraction of the ideal or better (fewer stages, each
-# with a fixed cost, outweigh the extra padding: work efficiency 0.83-0.85
-# instead of 0.90 on uniform / recurrent-depth counts at B=1024), and 8 instead
-# of 11 stages to compile.
+# then halving (bounded relative waste on the tail), no bucket under MIN_ROWS
+# rows (per-step overhead dominates there, and each stage is one more loop to
+# compile). Why 4 linear steps, not 8: RESULTS.md, "Figures behind the code's choices".
 LINEAR_STEPS = 4
 MIN_ROWS = 16
 ALIGN = 8
@@ -92,37 +88,6 @@ def bucket_sizes(batch: int) -> tuple[int, ...]:
     sizes.add(small)
     small //= 2
   return tuple(sorted(sizes, reverse=True))
-
-
-def bucket_for(active: int, sizes: tuple[int, ...]) -> int:
-  """The ladder size a step with `active` running rows runs at (0 if none)."""
-  if active <= 0:
-    return 0
-  return min(s for s in sizes if s >= active)
-
-
-def rows_computed(steps, sizes: tuple[int, ...] | None = None) -> int:
-  """Row-steps the bucketed loop computes, given each row's applied steps.
-
-  A row runs at trip t iff t < steps[row] (it stops for good once it stops),
-  so a_t = #{steps > t} rows run at trip t, on a bucket of `bucket_for(a_t)`
-  rows. Used by the benchmarks for the work efficiency.
-
-  Args:
-    steps: int [B], the steps each row applied (`IterateInfo.steps`).
-    sizes: the ladder (default `bucket_sizes(B)`).
-
-  Returns:
-    sum over trips t of the bucket size at t.
-  """
-  steps = np.asarray(steps).reshape(-1)
-  sizes = bucket_sizes(steps.size) if sizes is None else sizes
-  if steps.size == 0:
-    return 0
-  # a_t for t = 0 .. max-1: rows with steps > t.
-  hist = np.bincount(steps, minlength=int(steps.max()) + 1)
-  active = steps.size - np.cumsum(hist)[:-1]
-  return int(sum(bucket_for(int(a), sizes) for a in active))
 
 
 class _Rows(NamedTuple):
@@ -176,7 +141,7 @@ def _compact(s: _Rows, t) -> _Rows:
   """Stably moves the rows still running at trip t to the front."""
   not_running = jnp.logical_not(_running(s, t))[:, 0].astype(jnp.int32)
   order = jnp.argsort(not_running, stable=True)
-  return rows_lib.take_rows(s, order)
+  return tiling.take_rows(s, order)
 
 
 def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: int,
@@ -194,7 +159,7 @@ def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: in
     # Each row's step index is the trip counter (a running row has applied
     # t steps); its batch index travels with it (random keys depend on both).
     h_new, flag = body(params, s.h, s.x, jnp.broadcast_to(t, (size, 1)), s.rows)
-    s = masking.apply_update(s, running, t, h_new, flag, halting, elems_per_row, residual)
+    s = loop_lib.apply_update(s, running, t, h_new, flag, halting, elems_per_row, residual)
     return t + 1, s
 
   t, s = lax.while_loop(lambda c: _runs_more_than(c[1], c[0], until, halting), step, (t, s))
@@ -207,62 +172,70 @@ def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: in
   return t, s
 
 
-def forward(body, params, h0, x, counts, row_ids, halting, residual=True):
+def forward(body: Callable[..., Any], ops: LoopOperands, residual: bool = True) -> LoopOutputs:
   """Runs each row to its budget or halting, computing only running rows.
 
   Args:
     body: body(params, h, x, t, rows) -> (h_new, flag), row independent;
       t, rows int32 [R, 1] (step index, index in the caller's batch); flag is
       None or bool [R]/[R, 1] (the user's halt criterion on this update).
-    params, h0, x: operands (h0/x leaves [B, ...]).
-    counts: int32 [B], already clipped to [0, max_iters].
-    row_ids: int32 [B], each row's index in the caller's batch.
-    halting: None or `masking.Halting`.
+      Takes the caller's consts itself (`ops.consts` is not used here).
+    ops: the loop's operands (h0/x leaves [B, ...]).
     residual: track each row's last residual (else it is returned as 0).
 
   Returns:
-    (h, residual, steps, halted): final state in the caller's row order;
-    float32, int32, bool [B].
+    The outputs, in the caller's row order.
 
   Example:
+    >>> from pallas_loop._src.operands import LoopOperands
     >>> body = lambda p, h, x, t, rows: (2 * h, None)
-    >>> forward(body, None, jnp.ones((3, 2)), None, jnp.array([1, 0, 2]),
-    ...         jnp.arange(3, dtype=jnp.int32), None)[0]
+    >>> ops = LoopOperands(None, [], jnp.ones((3, 2)), None, jnp.array([1, 0, 2]),
+    ...                    jnp.arange(3, dtype=jnp.int32), None)
+    >>> forward(body, ops).h
     Array([[2., 2.],
            [1., 1.],
            [4., 4.]], dtype=float32)
   """
-  batch = counts.shape[0]
+  batch = ops.counts.shape[0]
   sizes = bucket_sizes(batch)
-  elems = masking.elems_per_row(h0)
-  order = rows_lib.descending_order(counts)
-  column = lambda dtype: jnp.zeros((batch, 1), dtype)
-  s = _Rows(h=rows_lib.take_rows(h0, order), x=rows_lib.take_rows(x, order),
-            counts=jnp.take(counts, order)[:, None], order=order[:, None],
-            rows=jnp.take(row_ids, order)[:, None],
-            residual=column(jnp.float32), steps=column(jnp.int32),
-            halted=column(jnp.int32))
-  t = jnp.int32(0)
-  for k, size in enumerate(sizes):
-    until = sizes[k + 1] if k + 1 < len(sizes) else 0
+  elems = loop_lib.elems_per_row(ops.h0)
+  halting = ops.halting
 
-    def stage(t, s, size=size, until=until):
-      t, sub = _run_stage(body, params, _prefix(s, size), t, until, halting, elems,
-                          residual)
-      if halting is None:
-        # Only the state and its statistics changed (no compaction): writing
-        # back x and the row bookkeeping too would copy them for nothing.
-        changed = ("h", "residual", "steps", "halted")
-        return t, s._replace(**_put_prefix({f: getattr(s, f) for f in changed},
-                                           {f: getattr(sub, f) for f in changed}))
-      return t, _put_prefix(s, sub)
+  def on_sorted_rows(per_row, counts):
+    h0, x, row_ids = per_row
+    column = lambda dtype: jnp.zeros((batch, 1), dtype)
+    s = _Rows(h=h0, x=x, counts=counts[:, None],
+              order=jnp.arange(batch, dtype=jnp.int32)[:, None], rows=row_ids[:, None],
+              residual=column(jnp.float32), steps=column(jnp.int32),
+              halted=column(jnp.int32))
+    t = jnp.int32(0)
+    for k, size in enumerate(sizes):
+      until = sizes[k + 1] if k + 1 < len(sizes) else 0
 
-    # A stage with nothing to do (its rows finished in a larger bucket, or
-    # the counts jump past it) is skipped whole: its slices and the work XLA
-    # hoists out of its loop (e.g. x @ U of an RNN cell) then cost nothing.
-    t, s = lax.cond(_runs_more_than(_prefix(s, size), t, until, halting), stage,
-                    lambda t, s: (t, s), t, s)
-  inverse = rows_lib.inverse_permutation(s.order[:, 0])
-  h, residual, steps, halted = rows_lib.take_rows(
-      (s.h, s.residual[:, 0], s.steps[:, 0], s.halted[:, 0]), inverse)
-  return h, residual, steps, halted > 0
+      def stage(t, s, size=size, until=until):
+        t, sub = _run_stage(body, ops.params, _prefix(s, size), t, until, halting, elems,
+                            residual)
+        if halting is None:
+          # Only the state and its statistics changed (no compaction): writing
+          # back x and the row bookkeeping too would copy them for nothing.
+          changed = ("h", "residual", "steps", "halted")
+          return t, s._replace(**_put_prefix({f: getattr(s, f) for f in changed},
+                                             {f: getattr(sub, f) for f in changed}))
+        return t, _put_prefix(s, sub)
+
+      # A stage with nothing to do (its rows finished in a larger bucket, or
+      # the counts jump past it) is skipped whole: its slices and the work XLA
+      # hoists out of its loop (e.g. x @ U of an RNN cell) then cost nothing.
+      t, s = lax.cond(_runs_more_than(_prefix(s, size), t, until, halting), stage,
+                      lambda t, s: (t, s), t, s)
+    out = (s.h, s.residual[:, 0], s.steps[:, 0], s.halted[:, 0])
+    if halting is not None:
+      # Compaction moved rows: back to the order they came in.
+      out = tiling.take_rows(out, tiling.inverse_permutation(s.order[:, 0]))
+    return out, None
+
+  # Without halting the running rows are a prefix of rows ordered by count.
+  (h, residual_out, steps, halted), _ = tiling.in_tiles(
+      on_sorted_rows, (ops.h0, ops.x, ops.row_ids), ops.counts, rows=batch, sort=True,
+      must_be_finite=False)
+  return LoopOutputs(h, residual_out, steps, halted > 0)

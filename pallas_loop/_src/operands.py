@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-import jax
 
 
 class Halting(NamedTuple):

@@ -63,6 +63,15 @@ def _zero_rows(keep: jax.Array, tree):
   return loop_lib.select_rows(keep[:, None], tree, tree_util.tree_map(jnp.zeros_like, tree))
 
 
+def _last_steps_window(k: int, ctx: Context, saved: Saved, h_start: Any, g: Any) -> Gradients:
+  """The VJP of each row's last min(k, steps) steps, started from `h_start`
+  (the state before them) with their own step indices."""
+  ops, steps = saved.ops, saved.steps
+  n = jnp.minimum(steps, k)
+  window = WindowOperands(ops.params, ops.consts, h_start, ops.x, steps - n, n, ops.row_ids, g)
+  return ctx.window(window, min(k, ctx.max_iters), None)
+
+
 class GradMode(abc.ABC):
   """A gradient mode: what the forward saves and how the backward runs.
 
@@ -163,12 +172,10 @@ class Truncated(GradMode):
 
   def backward(self, ctx: Context, saved: Saved, g) -> Gradients:
     ops, steps = saved.ops, saved.steps
-    n = jnp.minimum(steps, self.k)
-    skipped = steps - n
-    # The state before each row's last n steps: rerun them, saving nothing.
+    skipped = steps - jnp.minimum(steps, self.k)
+    # The state before each row's last k steps: rerun the others, saving nothing.
     h_start = ctx.forward(ops._replace(counts=skipped, halting=None)).h
-    window = WindowOperands(ops.params, ops.consts, h_start, ops.x, skipped, n, ops.row_ids, g)
-    g_params, g_consts, g_start, g_x = ctx.window(window, min(self.k, ctx.max_iters), None)
+    g_params, g_consts, g_start, g_x = _last_steps_window(self.k, ctx, saved, h_start, g)
     return g_params, g_consts, _zero_rows(skipped == 0, g_start), g_x
 
   def reference_grad(self) -> Any:
@@ -283,12 +290,8 @@ class Phantom(GradMode):
     validation.static_int("Phantom(k)", self.k, 1)
 
   def backward(self, ctx: Context, saved: Saved, g) -> Gradients:
-    ops, steps = saved.ops, saved.steps
-    n = jnp.minimum(steps, self.k)
-    window = WindowOperands(ops.params, ops.consts, saved.h_out, ops.x, steps - n, n,
-                            ops.row_ids, g)
-    g_params, g_consts, _, g_x = ctx.window(window, min(self.k, ctx.max_iters), None)
-    return g_params, g_consts, _zero_rows(steps == 0, g), g_x
+    g_params, g_consts, _, g_x = _last_steps_window(self.k, ctx, saved, saved.h_out, g)
+    return g_params, g_consts, _zero_rows(saved.steps == 0, g), g_x
 
 
 def as_mode(grad: Any) -> GradMode:

@@ -24,6 +24,7 @@ gathers; the result is bit-identical to `jax.random`'s `threefry_2x32`
 (tested).
 
 Keys and counters.
+
   * `key_data(k)`: the user's key as uint32 [2] (a key implementation with more
     than two words, e.g. "rbg", is folded to two by chaining Threefry over it).
   * `step_keys(data, rows, t)`: row r's key at step t is
@@ -37,11 +38,11 @@ Keys and counters.
 
 Floats from bits. `uniform` keeps the top m bits of word 0 (m = the dtype's
 significand width: 24 for float32, 11 for float16, 8 for bfloat16) and
-returns (bits >> (32 - m)) * 2**-m: every value is exact in the dtype, so the
+returns (bits >> (32 - m)) * `2**-m`: every value is exact in the dtype, so the
 result is in [0, 1) even after the cast (rounding 32 random bits to bfloat16
 could give 1.0). `bernoulli(p)` is `uniform_float32 < p`. `normal` is
-Box-Muller on both words: u1 = (top 24 bits of word 0 + 1) * 2**-24 in (0, 1],
-u2 = top 24 bits of word 1 * 2**-24, z = sqrt(-2 log u1) * cos(2 pi u2),
+Box-Muller on both words: u1 = (top 24 bits of word 0 + 1) * `2**-24` in (0, 1],
+u2 = top 24 bits of word 1 * `2**-24`, z = sqrt(-2 log u1) * cos(2 pi u2),
 computed in float32 (log, sqrt and cos lower on Triton and Mosaic, no erf_inv
 needed); |z| <= 5.77 (the tail beyond has probability 8e-9). `dropout` keeps
 an element with probability 1 - rate and scales it by 1 / (1 - rate),
@@ -107,8 +108,10 @@ def threefry2x32(k0: ArrayLike, k1: ArrayLike, c0: ArrayLike,
   in interpret mode and in XLA.
 
   Args:
-    k0, k1: the two key words.
-    c0, c1: the two counter words.
+    k0: the first key word.
+    k1: the second key word.
+    c0: the first counter word.
+    c1: the second counter word.
 
   Returns:
     (x0, x1): the two output words, uint32, equal bit-for-bit to
@@ -372,7 +375,7 @@ def _bits(key: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]
 
 
 def _unit_float32(bits: jax.Array, m: int) -> jax.Array:
-  """k * 2**-m in float32 from the top m bits (k < 2**m <= 2**24: exact)."""
+  """k * `2**-m` in float32 from the top m bits (k < 2**m <= 2**24: exact)."""
   top = lax.shift_right_logical(bits, jnp.full_like(bits, 32 - m))
   return lax.bitcast_convert_type(top, jnp.int32).astype(jnp.float32) * np.float32(2.0**-m)
 
@@ -397,7 +400,7 @@ def uniform(key: jax.Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32
     dtype: float32 (24 random bits), bfloat16 (8) or float16 (11).
 
   Returns:
-    `dtype` array of `shape`, values k * 2**-m for uniform k in [0, 2**m).
+    `dtype` array of `shape`, values k * `2**-m` for uniform k in [0, 2**m).
 
   Example:
     >>> import jax, jax.numpy as jnp, pallas_loop
@@ -428,7 +431,7 @@ def bernoulli(key: jax.Array, p: ArrayLike, shape: Sequence[int]) -> jax.Array:
 
   Returns:
     bool array of `shape`: `uniform(key, shape) < p` (float32 uniform, so
-    the probability is p rounded up to a multiple of 2**-24).
+    the probability is p rounded up to a multiple of `2**-24`).
 
   Example:
     >>> import jax, jax.numpy as jnp, pallas_loop

@@ -69,7 +69,8 @@ def uniform(key: jax.Array, batch: int, lo: ArrayLike, hi: ArrayLike) -> jax.Arr
   Args:
     key: a JAX PRNG key.
     batch: number of rows (static int >= 0).
-    lo, hi: ints (or int arrays of shape () or [batch]), 0 <= lo <= hi < 2**31 - 1.
+    lo: int (or int array of shape () or [batch]), 0 <= lo <= hi.
+    hi: int (or int array of shape () or [batch]), lo <= hi < 2**31 - 1.
 
   Returns:
     int32 [batch].
@@ -94,11 +95,11 @@ def geometric(key: jax.Array, batch: int, *, p: ArrayLike | None = None,
               mean: ArrayLike | None = None, cap: int) -> jax.Array:
   """Geometric counts on 1, 2, ...: the PonderNet prior, capped.
 
-  P(n = j) = (1 - p)**(j - 1) * p for j >= 1 (mean 1 / p), then n = min(n, cap):
-  the tail mass sum_{j >= cap} P(j) = (1 - p)**(cap - 1) lands on cap, as
-  PonderNet assigns the remaining halting probability to the last step.
-  Capped mean: (1 - (1 - p)**cap) / p. Sampled by inversion:
-  n = 1 + floor(log(u) / log(1 - p)) with u uniform in (0, 1].
+  `P(n = j) = (1 - p)**(j - 1) * p` for j >= 1 (mean 1 / p), then
+  `n = min(n, cap)`: the tail mass `sum_{j >= cap} P(j) = (1 - p)**(cap - 1)`
+  lands on cap, as PonderNet assigns the remaining halting probability to the
+  last step. Capped mean: `(1 - (1 - p)**cap) / p`. Sampled by inversion:
+  `n = 1 + floor(log(u) / log(1 - p))` with u uniform in (0, 1].
 
   Args:
     key: a JAX PRNG key.
@@ -137,9 +138,9 @@ def lognormal_poisson(key: jax.Array, batch: int, *, mean: ArrayLike, sigma: Arr
                       cap: int) -> jax.Array:
   """The log-normal Poisson depth of recurrent-depth pretraining, capped.
 
-  tau ~ Normal(log(mean) - sigma**2 / 2, sigma), n = 1 + Poisson(exp(tau)),
-  then n = min(n, cap). exp(tau) is log-normal with mean `mean`, so uncapped
-  E[n] = 1 + mean and Var[n] = mean + mean**2 * (exp(sigma**2) - 1): most
+  `tau ~ Normal(log(mean) - sigma**2 / 2, sigma)`, `n = 1 + Poisson(exp(tau))`,
+  then `n = min(n, cap)`. exp(tau) is log-normal with mean `mean`, so uncapped
+  `E[n] = 1 + mean` and `Var[n] = mean + mean**2 * (exp(sigma**2) - 1)`: most
   rows get around `mean` steps, with a heavy right tail of long ones (Geiping
   et al. 2025, "Scaling up test-time compute with latent reasoning").
 

@@ -270,8 +270,10 @@ def check_against_reference(
     x: pytree of arrays [B, ...], or None.
     iters: int or int array [B], as for `iterate`.
     max_iters: static int >= 0.
-    rtol, atol: override the per-dtype defaults for every leaf (an element
-      passes when `|got - want| <= atol * max(1, max|want|) + rtol * |want|`).
+    rtol: overrides the per-dtype relative tolerance for every leaf (an
+      element passes when `|got - want| <= atol * max(1, max|want|) + rtol *
+      |want|`).
+    atol: overrides the per-dtype absolute tolerance likewise.
     grads: compare gradients too (default True).
     seed: seeds the random cotangent.
     **options: keyword options of `iterate`. Default
@@ -474,7 +476,8 @@ def check_row_independence(
       (default `jax.random.key(0)`).
     rows: the rows to perturb one at a time in check 1 (default: the first,
       the last and one random row).
-    rtol, atol: override the tolerances of checks 2 and 3.
+    rtol: overrides the relative tolerance of checks 2 and 3.
+    atol: overrides their absolute tolerance.
 
   Returns:
     None.

@@ -88,8 +88,12 @@ def tune_block_rows(step: Callable[..., Any], params: Any, h0: Any, x: Any = Non
   any candidate is safe to use.
 
   Args:
-    step, params, h0, x, iters, max_iters: as for `pallas_loop.iterate`
-      (the workload to tune on; `iters` should look like the real counts).
+    step: as for `pallas_loop.iterate` (the workload to tune on).
+    params: as for `iterate`.
+    h0: as for `iterate`.
+    x: as for `iterate`.
+    iters: as for `iterate`; it should look like the real counts.
+    max_iters: as for `iterate`.
     candidates: tile heights to try (default `default_candidates(B)`).
     repeats: timed calls per candidate (>= 1).
     **iterate_kwargs: further `iterate` options (tol, halt, key, interpret,

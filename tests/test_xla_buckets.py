@@ -1,4 +1,4 @@
-"""The bucketed XLA loop (`pallas_loop/buckets.py`) against `reference.iterate`.
+"""The bucketed XLA loop (`pallas_loop/_src/xla_forward.py`) against `reference.iterate`.
 
 The XLA implementation runs the step only on the running rows (a prefix of
 rows ordered by count, padded to a ladder size, compacted under halting), so

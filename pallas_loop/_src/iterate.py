@@ -91,8 +91,8 @@ def iterate(
     grad: the gradient mode: "full" (= `Full()`: exact, checkpointed, memory
       O(sqrt(max_iters))), `Truncated(k)` (through each row's last k steps),
       `Implicit()` (implicit-function gradient at a fixed
-      point) or `Phantom(k)` (k steps unrolled from the stopped output). See
-      `pallas_loop.grad_modes` and the README's "Gradients".
+      point) or `Phantom(k)` (k steps unrolled from the stopped output). When
+      to use which, and their memory: the docs' "Gradients and memory" page.
     implementation: None (auto: the Pallas kernel on GPU/TPU when the step
       fits its rules, else XLA with a one-time warning saying why; XLA on
       CPU), "pallas" (the kernel; interpret mode on CPU; an error, never a
@@ -100,8 +100,9 @@ def iterate(
     interpret: run the kernel in Pallas interpret mode. None: only where no
       compiled backend exists (CPU). A `pltpu.InterpretParams()` interprets
       with TPU semantics.
-    block_rows: rows per kernel tile (default chosen per backend: 32 with
-      Triton, up to 128 on TPU, 32 in interpret mode).
+    block_rows: rows per kernel tile (default chosen per backend: at least
+      256 tiles of 16 to 64 rows with Triton, up to 128 rows on TPU, 32 in
+      interpret mode; `pallas_loop.tuning` times the candidates).
     sort_rows: order rows by descending count before tiling so each tile's
       rows finish together (results do not depend on it).
     return_info: also return an `IterateInfo`.

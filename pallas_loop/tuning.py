@@ -1,7 +1,7 @@
 """Measure the kernel's tile height on the machine at hand.
 
-The default `block_rows` is a heuristic per backend (`pallas_triton.py`,
-`pallas_mosaic_tpu.py`, `backend.rows_for_tiles`): enough sorted tiles that
+The default `block_rows` is a heuristic per backend (`_src/backend_triton.py`,
+`_src/backend_mosaic_tpu.py`, `_src/backend.rows_for_tiles`): enough sorted tiles that
 rows of similar counts share a tile. What is fastest also depends on the
 block, its widths and the accelerator, so `tune_block_rows` times the
 candidates on the caller's own workload and says which won. It measures; it

@@ -1,9 +1,9 @@
 """What distinguishes one Pallas backend from another for the iterate kernel.
 
-The kernel body (`kernel.py`) is shared; a `Backend` supplies only what differs:
+The kernel bodies (`kernel_forward.py`, `kernel_backward.py`) are shared; a `Backend` supplies only what differs:
 the block-shape rules, the compiler parameters, the default tile height, the
 primitives its lowering knows, and the interpret mode. One instance per
-backend lives in `pallas_triton.py`, `pallas_mosaic_tpu.py` and here
+backend lives in `backend_triton.py`, `backend_mosaic_tpu.py` and here
 (`INTERPRET`, the CPU-runnable one).
 """
 

@@ -1,7 +1,7 @@
 """What a kernel program holds on chip, read off the step's traced jaxpr.
 
-The backends' configuration rules (`pallas_triton.configure`,
-`pallas_mosaic_tpu.configure`) decide from this how many warps a program
+The backends' configuration rules (`backend_triton.configure`,
+`backend_mosaic_tpu.configure`) decide from this how many warps a program
 gets, whether the shared operands (params and the step's constants) stay on
 chip across steps or are re-read where each use needs them, and whether any
 configuration fits at all. Sizes are those the kernel really computes with:

@@ -160,3 +160,11 @@ def test_fraction_of_peak_only_where_the_peak_is_known():
   assert harness.peak_tflops("cpu", "bfloat16") is None
   rows = harness.run_case(cases.Case("tanh_rnn", 16, 16, 4, "uniform"), ["xla"], repeats=1)
   assert all(r["fraction_of_peak"] is None for r in rows)  # CPU: no data-sheet peak
+
+
+def test_ladder_sweep_runs_on_the_smoke_suite(capsys):
+  from benchmarks import ladder
+  assert ladder.main(["--min-rows", "16,64", "--rounds", "1", "--repeats", "1",
+                      "--suite", "smoke"]) == 0
+  out = capsys.readouterr().out
+  assert "MISMATCH" not in out and out.count("\n") >= 3

@@ -27,6 +27,8 @@ from pallas_loop._src import footprint as footprint_lib
 from pallas_loop._src import jaxpr_eval
 from pallas_loop._src import backend_mosaic_tpu
 from pallas_loop._src import backend_triton
+from pallas_loop._src import xla_backward
+from pallas_loop._src import xla_forward
 from tests import cases
 from tests import lowering
 from tests import oracle
@@ -106,6 +108,25 @@ def test_large_weight_gradient_falls_back_with_the_reason():
   assert any("weight gradient of shape [256, 256]" in p for p in plans["backward"].problems)
   assert any("backward kernel cannot run" in m and "registers" in m for m in caught)
   assert text.count(lowering.kernel_marker("cuda")) == 1  # the forward kernel only
+
+
+def test_the_xla_loop_is_traced_once_however_many_kernels_fall_back(monkeypatch):
+  # tanh RNN at D=256 bf16: the Triton backward declines (weight gradient in
+  # registers), so the CPU's default branch and the GPU's fallback both run
+  # the XLA backward. Both call the same jitted XLA loop: traced once.
+  calls = {"forward": 0, "backward": 0}
+
+  def counted(what, fn):
+    def wrapper(*args, **kwargs):
+      calls[what] += 1
+      return fn(*args, **kwargs)
+    return wrapper
+
+  monkeypatch.setattr(xla_forward, "forward", counted("forward", xla_forward.forward))
+  monkeypatch.setattr(xla_backward, "backward", counted("backward", xla_backward.backward))
+  plans, _, _ = _plans("tanh_rnn", 256, "bfloat16", grad=True)
+  assert plans["backward"].config is None  # the GPU falls back for the backward
+  assert calls == {"forward": 1, "backward": 1}, calls
 
 
 def test_large_weight_gradient_is_rejected_before_compiling():

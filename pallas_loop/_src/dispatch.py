@@ -148,6 +148,10 @@ def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[...,
     tiling: the caller's options (see `iterate`).
   """
   implementation, interpret = tiling.implementation, tiling.interpret
+  # Every branch that falls back to XLA (and the default branch) calls this
+  # one jitted function at the same avals, so JAX traces the XLA loop once
+  # and reuses its jaxpr instead of tracing it again per platform.
+  run_xla = jax.jit(run_xla, inline=True)
 
   def on(backend: backend_lib.Backend, *, fallback: bool) -> Callable[[Any], Any]:
     def branch(ops: Any) -> Any:

@@ -236,8 +236,8 @@ def run(tile_plan: TilePlan, ops: LoopOperands, *, sort_rows: bool,
   stats = [column(jnp.float32), column(jnp.int32), column(jnp.int32)]
 
   def on_tiles(per_row, counts):
-    h_leaves, x_leaves, index = tree_util.tree_leaves(per_row[0]), tree_util.tree_leaves(
-        per_row[1]), per_row[2]
+    h_in, x_in, index = per_row  # leaves [B, ...]; index int32 [B]
+    h_leaves, x_leaves = tree_util.tree_leaves(h_in), tree_util.tree_leaves(x_in)
     columns = [counts.reshape(padded, 1), index.reshape(padded, 1)]
     outs = pl.pallas_call(
         kernel,

@@ -51,7 +51,8 @@ from pallas_loop._src.operands import LoopOperands, LoopOutputs
 # The ladder: linear steps of ~B/LINEAR_STEPS rows (bounded waste per step),
 # then halving (bounded relative waste on the tail), no bucket under MIN_ROWS
 # rows (per-step overhead dominates there, and each stage is one more loop to
-# compile). Why 4 linear steps, not 8: RESULTS.md, "Figures behind the code's choices".
+# compile: ~0.1 s each on the CPU). Why 4 linear steps, not 8, and why 16 rows
+# (`benchmarks/ladder.py`): RESULTS.md, "Figures behind the code's choices".
 LINEAR_STEPS = 4
 MIN_ROWS = 16
 ALIGN = 8

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_loop._src import loop as loop_lib
+from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src import validation
 from pallas_loop._src.operands import Gradients, LoopOperands, LoopOutputs, WindowOperands
 
@@ -40,7 +41,7 @@ class Context:
       tiling options (for a mode that solves with it, e.g. `Implicit`).
   """
 
-  fn: Callable[..., Any]
+  fn: step_fn_lib.StepFn
   forward: Callable[[LoopOperands], LoopOutputs]
   window: Callable[[WindowOperands, int, int | None], Gradients]
   max_iters: int
@@ -240,18 +241,15 @@ class Implicit(GradMode):
     t_last = jnp.maximum(steps - 1, 0)[:, None]
     rows = ops.row_ids[:, None]
 
-    def f(shared, h, x, t, r):
-      return ctx.fn(shared[0], shared[1], h, x, t, r)[0]
-
     def adjoint_step(shared, u, per_row):
       h_s, x, g_, t, r = per_row
-      _, vjp = jax.vjp(lambda h: f(shared, h, x, t, r), h_s)
+      _, vjp = jax.vjp(lambda h: ctx.fn.new_state(shared, h, x, t, r), h_s)
       return tree_util.tree_map(lambda a, b: a + b, g_, vjp(u)[0])
 
     u = ctx.iterate(
         adjoint_step, (ops.params, ops.consts), g, (h_star, ops.x, g, t_last, rows),
         iters=jnp.where(steps > 0, budget, 0), max_iters=budget, tol=tol)
-    _, vjp = jax.vjp(lambda shared, x: f(shared, h_star, x, t_last, rows),
+    _, vjp = jax.vjp(lambda shared, x: ctx.fn.new_state(shared, h_star, x, t_last, rows),
                      (ops.params, ops.consts), ops.x)
     (g_params, g_consts), g_x = vjp(_zero_rows(steps > 0, u))
     return g_params, g_consts, _zero_rows(steps == 0, g), g_x

@@ -335,7 +335,7 @@ def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool) -> Gradients:
   (g_h, g_x), tile_sums = tiling.in_tiles(
       on_tiles, (ops.h_start, ops.x, ops.g, ops.t0, ops.row_ids), ops.n, rows=padded,
       sort=sort_rows, must_be_finite=True)
-  g_x = [None if a is None else a.astype(leaf.dtype) for a, leaf in zip(g_x, x_leaves)]
+  g_x = loop_reverse.cast_like(g_x, x_leaves)
 
   # Per-tile sums -> gradients of params, and of the caller's consts (a
   # traced constant stands for the caller's const `sources[j]`, or for a
@@ -343,13 +343,11 @@ def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool) -> Gradients:
   sums = [None if s is None else jnp.sum(s, axis=0).reshape(shape)
           for s, shape in zip(tile_sums, wp.shared_shapes)]
   n_params = len(params_leaves)
-  g_params = [None if s is None else s.astype(p.dtype)
-              for s, p in zip(sums[:n_params], params_leaves)]
+  g_params = loop_reverse.cast_like(sums[:n_params], params_leaves)
   g_consts = [loop_reverse.float32_zeros(c) for c in ops.consts]
   for s, source in zip(sums[n_params:], tile.traced.sources):
     if s is not None and source is not None:
       g_consts[source] = g_consts[source] + s
-  g_consts = [None if a is None else a.astype(jnp.result_type(c))
-              for a, c in zip(g_consts, ops.consts)]
+  g_consts = loop_reverse.cast_like(g_consts, list(ops.consts))
   return (tree_util.tree_unflatten(params_tree, g_params), g_consts,
           tree_util.tree_unflatten(h_tree, g_h), tree_util.tree_unflatten(x_tree, g_x))

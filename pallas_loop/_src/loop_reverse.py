@@ -66,6 +66,14 @@ def float32_zeros(tree: Any) -> Any:
       lambda a: jnp.zeros(jnp.shape(a), jnp.float32) if is_float(a) else None, tree)
 
 
+def cast_like(acc: Any, ref: Any) -> Any:
+  """`acc` (float32 or None leaves, as `float32_zeros` gives) cast to the
+  dtypes of `ref`'s leaves."""
+  return tree_util.tree_map(
+      lambda a, r: None if a is None else a.astype(jnp.result_type(r)), acc, ref,
+      is_leaf=lambda v: v is None)
+
+
 def step_vjp(step: Callable, shared: Any, h: Any, x: Any, t: jax.Array, rows: jax.Array,
              ct: Any, acc_shared: Any, acc_x: Any) -> tuple[Any, Any, Any]:
   """The VJP of `step` at (shared, h, x) for `ct`, summed into the accumulators.
@@ -84,9 +92,10 @@ def _counted_loop(lo: int | jax.Array, hi: int | jax.Array,
 
   Pallas' Triton lowering turns a `fori_loop` into `scf.for`, out of which
   Triton hoists loop-invariant loads: every weight a step re-reads would then
-  be loaded once and held in shared memory for the whole loop (RESULTS.md, "Figures behind the code's choices"). A `while_loop`
-  whose condition closes over the bound is lowered to `scf.while`, from which
-  it does not hoist; XLA compiles both forms alike.
+  be loaded once and held in shared memory for the whole loop (RESULTS.md,
+  "Figures behind the code's choices"). A `while_loop` whose condition closes
+  over the bound is lowered to `scf.while`, from which it does not hoist; XLA
+  compiles both forms alike.
   """
   def cond(carry: tuple[jax.Array, _T]) -> jax.Array:
     return carry[0] < hi

@@ -192,3 +192,8 @@ class StepFn:
   def __call__(self, params, consts, h, x, t, rows):
     spec = self.specialize(params, consts, h, x)
     return spec.apply(spec.const_values, params, h, x, t, rows)
+
+  def new_state(self, shared, h, x, t, rows):
+    """The step's new state alone, with `shared = (params, consts)` as one
+    operand: the function the backwards differentiate."""
+    return self(shared[0], shared[1], h, x, t, rows)[0]

@@ -23,12 +23,6 @@ from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src import tiling
 from pallas_loop._src.operands import Gradients, WindowOperands
 
-def cast_like(acc: Any, ref: Any) -> Any:
-  """`acc` (float32 or None leaves) cast to the dtypes of `ref`'s leaves."""
-  return tree_util.tree_map(
-      lambda a, r: None if a is None else a.astype(jnp.result_type(r)), acc, ref,
-      is_leaf=lambda v: v is None)
-
 
 @tree_util.register_pytree_node_class
 class ArrayBuffer:
@@ -109,7 +103,6 @@ def backward(step_fn: step_fn_lib.StepFn, ops: WindowOperands, *, window: int,
   """
   every = every or loop_reverse.default_every(window)
   shared = (ops.params, ops.consts)
-  step = lambda s, h, x, t, rows: step_fn(s[0], s[1], h, x, t, rows)[0]
   batch = ops.n.shape[0]
   groups = group_count(batch)
   size = tiling.padded_rows(batch, groups) // groups  # >= 1 row: an empty batch too
@@ -121,7 +114,7 @@ def backward(step_fn: step_fn_lib.StepFn, ops: WindowOperands, *, window: int,
   def one_group(operands: tuple[Any, ...]) -> tuple[Any, Any, Any]:
     h, x, g, t0, ids, n = operands
     g_h, acc_shared, acc_x = loop_reverse.reverse_window(
-        step, shared, h, x, t0[:, None], n[:, None], ids[:, None], g, every=every,
+        step_fn.new_state, shared, h, x, t0[:, None], n[:, None], ids[:, None], g, every=every,
         ckpt=ArrayBuffer.zeros(loop_reverse.checkpoint_slots(window, every), h),
         seg=ArrayBuffer.zeros(every, h),
         acc_shared=ArraySum.zeros(shared), acc_x=ArraySum.zeros(x))
@@ -135,5 +128,5 @@ def backward(step_fn: step_fn_lib.StepFn, ops: WindowOperands, *, window: int,
       on_groups, (ops.h_start, ops.x, ops.g, ops.t0, ops.row_ids), ops.n,
       rows=groups * size, sort=True, must_be_finite=True)
   g_shared = tree_util.tree_map(lambda a: jnp.sum(a, axis=0), g_shared)
-  g_params, g_consts = cast_like(g_shared, shared)
-  return g_params, g_consts, g_h, cast_like(g_x, ops.x)
+  g_params, g_consts = loop_reverse.cast_like(g_shared, shared)
+  return g_params, g_consts, g_h, loop_reverse.cast_like(g_x, ops.x)

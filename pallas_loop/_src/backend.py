@@ -1,8 +1,9 @@
 """What distinguishes one Pallas backend from another for the iterate kernel.
 
-The kernel bodies (`kernel_forward.py`, `kernel_backward.py`) are shared; a `Backend` supplies only what differs:
-the block-shape rules, the compiler parameters, the default tile height, the
-primitives its lowering knows, and the interpret mode. One instance per
+The kernel bodies (`kernel_forward.py`, `kernel_backward.py`) are shared; a
+`Backend` supplies only what differs: the block-shape rules, the compiler
+parameters, the default tile height, the primitives its lowering knows, and
+the interpret mode. One instance per
 backend lives in `backend_triton.py`, `backend_mosaic_tpu.py` and here
 (`INTERPRET`, the CPU-runnable one).
 """
@@ -131,8 +132,8 @@ def rows_for_tiles(batch: int, tiles: int, smallest: int, largest: int) -> int:
   (useful row-steps / row-steps computed) grows with the number of tiles:
   for rows ordered by count it is sum(n) / (R * sum of each tile's largest
   n). About 64 tiles keep it >= 0.95 on every random distribution of the
-  benchmarks (RESULTS.md, "Figures behind the code's choices"), and more tiles also mean more programs to spread over
-  the cores.
+  benchmarks (RESULTS.md, "Figures behind the code's choices"), and more
+  tiles also mean more programs to spread over the cores.
 
   Args:
     batch: B, the rows.

@@ -12,7 +12,6 @@ import dataclasses
 from typing import Any, NamedTuple
 
 
-
 class Halting(NamedTuple):
   """Halting operands (a pytree), as arrays broadcastable against [R, 1].
 
@@ -35,19 +34,19 @@ class LoopOperands(NamedTuple):
   cotangents (None for the integer ones) and their shard_map specs.
   """
 
-  params: Any              # pytree shared by every row
-  consts: Any             # the arrays `step` closes over (`step_fn.py`)
-  h0: Any                  # pytree of [B, ...]: the initial state
-  x: Any                   # pytree of [B, ...] or None: constant inputs
-  counts: Any        # int32 [B]: step budgets, in [0, max_iters]
-  row_ids: Any       # int32 [B]: each row's index in the caller's batch
-  halting: Any  # None: apply exactly `counts` steps
+  params: Any   # pytree shared by every row
+  consts: Any   # the arrays `step` closes over (`step_fn.py`)
+  h0: Any       # pytree of [B, ...]: the initial state
+  x: Any        # pytree of [B, ...] or None: constant inputs
+  counts: Any   # int32 [B]: step budgets, in [0, max_iters]
+  row_ids: Any  # int32 [B]: each row's index in the caller's batch
+  halting: Any  # Halting, or None: apply exactly `counts` steps
 
 
 class LoopOutputs(NamedTuple):
   """What the loop returns, in the caller's row order."""
 
-  h: Any               # pytree like h0: the final state
+  h: Any         # pytree like h0: the final state
   residual: Any  # float32 [B]: rms of each row's last update
   steps: Any     # int32 [B]: steps applied
   halted: Any    # bool [B]: a criterion (not the budget) stopped the row
@@ -60,12 +59,12 @@ class WindowOperands(NamedTuple):
 
   params: Any
   consts: Any
-  h_start: Any         # pytree of [B, ...]
-  x: Any               # pytree of [B, ...] or None
-  t0: Any        # int32 [B]
-  n: Any         # int32 [B]
-  row_ids: Any   # int32 [B]
-  g: Any               # pytree like h_start
+  h_start: Any  # pytree of [B, ...]
+  x: Any        # pytree of [B, ...] or None
+  t0: Any       # int32 [B]
+  n: Any        # int32 [B]
+  row_ids: Any  # int32 [B]
+  g: Any        # pytree like h_start
 
 
 @dataclasses.dataclass(frozen=True)

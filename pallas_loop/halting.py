@@ -38,7 +38,7 @@ def row_rms(tree: Any) -> jax.Array:
     float32 [R]: sqrt(mean of squares over every element of the row, all
     leaves together).
 
-  Example:
+  Examples:
     >>> from pallas_loop import halting
     >>> halting.row_rms(jnp.array([[3.0, 4.0], [0.0, 0.0]]))
     Array([3.535534, 0.      ], dtype=float32)
@@ -61,7 +61,7 @@ def relative_change(rtol: float, atol: float = 0.0) -> Criterion:
   Returns:
     A criterion for `iterate(..., halt=...)`.
 
-  Example:
+  Examples:
     >>> import pallas_loop
     >>> step = lambda w, h, x: 0.5 * h + x            # converges to 2x
     >>> h0, x = jnp.zeros((2, 3)), jnp.ones((2, 3))
@@ -97,7 +97,7 @@ def below(score: Callable[[Any, Any, Any, Any], jax.Array], threshold: float) ->
   Returns:
     A criterion for `iterate(..., halt=...)`.
 
-  Example:
+  Examples:
     >>> import jax, pallas_loop
     >>> def kl(params, h_new, h, x):         # successive softmax outputs
     ...   p, q = jax.nn.log_softmax(h_new @ params), jax.nn.log_softmax(h @ params)
@@ -122,7 +122,7 @@ def any_of(*criteria: Criterion) -> Criterion:
   Returns:
     A criterion: the elementwise OR of theirs.
 
-  Example:
+  Examples:
     >>> from pallas_loop import halting
     >>> rms = lambda params, h_new, h, x: halting.row_rms(h_new - h)
     >>> halt = halting.any_of(halting.relative_change(1e-3), halting.below(rms, 1e-4))

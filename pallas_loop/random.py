@@ -114,11 +114,11 @@ def threefry2x32(k0: ArrayLike, k1: ArrayLike, c0: ArrayLike,
     c1: the second counter word.
 
   Returns:
-    (x0, x1): the two output words, uint32, equal bit-for-bit to
+    The two output words `(x0, x1)`, uint32, equal bit-for-bit to
     `jax.extend.random.threefry_2x32(jnp.stack([k0, k1]), jnp.stack([c0, c1]))`
     (whose counter array holds all first words, then all second words).
 
-  Example:
+  Examples:
     >>> threefry2x32(0x13198A2E, 0x03707344, 0x243F6A88, 0x85A308D3)  # Random123 KAT
     (Array(3297917596, dtype=uint32), Array(1212020640, dtype=uint32))
   """
@@ -189,7 +189,7 @@ def key_data(key: jax.Array) -> jax.Array:
     ValueError: `key` is a batch of keys, or a raw uint32 array of a shape
       other than (2,).
 
-  Example:
+  Examples:
     >>> import jax, pallas_loop
     >>> pallas_loop.random.key_data(jax.random.key(0))
     Array([0, 0], dtype=uint32)
@@ -260,7 +260,7 @@ def step_keys(data: jax.Array, rows: jax.Array, t: jax.Array) -> jax.Array:
   Returns:
     uint32 [R, 2]: one key per row, the `key` argument of the samplers.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> data = pallas_loop.random.key_data(jax.random.key(0))
     >>> keys = pallas_loop.random.step_keys(
@@ -330,7 +330,7 @@ def fold_in(key: jax.Array, data: ArrayLike) -> jax.Array:
   Returns:
     uint32 [R, 2]: row r is `threefry2x32(key[r], counter=(data, 1))`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
     >>> pallas_loop.random.fold_in(key, 1).shape
@@ -402,7 +402,7 @@ def uniform(key: jax.Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32
   Returns:
     `dtype` array of `shape`, values k * `2**-m` for uniform k in [0, 2**m).
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
     >>> h = jnp.ones((8, 4))
@@ -433,7 +433,7 @@ def bernoulli(key: jax.Array, p: ArrayLike, shape: Sequence[int]) -> jax.Array:
     bool array of `shape`: `uniform(key, shape) < p` (float32 uniform, so
     the probability is p rounded up to a multiple of `2**-24`).
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
     >>> h = jnp.ones((8, 4))
@@ -472,7 +472,7 @@ def normal(key: jax.Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32)
   Returns:
     `dtype` array of `shape`; |values| <= 5.77 (24-bit uniforms).
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
     >>> h = jnp.ones((8, 4))
@@ -509,7 +509,7 @@ def dropout(key: jax.Array, x: jax.Array, rate: float) -> jax.Array:
     (the product computed in float32, then cast to x.dtype). rate == 0
     returns `x` itself.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
     >>> h, w = jnp.ones((8, 4)), jnp.eye(4)

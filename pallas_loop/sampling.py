@@ -75,7 +75,7 @@ def uniform(key: jax.Array, batch: int, lo: ArrayLike, hi: ArrayLike) -> jax.Arr
   Returns:
     int32 [batch].
 
-  Example:
+  Examples:
     >>> import jax, pallas_loop
     >>> n = pallas_loop.sampling.uniform(jax.random.key(0), 32, 1, 100)  # stochastic depth
     >>> n.shape, bool(((n >= 1) & (n <= 100)).all())
@@ -111,7 +111,7 @@ def geometric(key: jax.Array, batch: int, *, p: ArrayLike | None = None,
   Returns:
     int32 [batch], values in [1, cap].
 
-  Example:
+  Examples:
     >>> import jax, pallas_loop
     >>> n = pallas_loop.sampling.geometric(jax.random.key(0), 32, mean=8.0, cap=64)
     >>> n.shape, bool((n <= 64).all())
@@ -154,7 +154,7 @@ def lognormal_poisson(key: jax.Array, batch: int, *, mean: ArrayLike, sigma: Arr
   Returns:
     int32 [batch], values in [1, cap].
 
-  Example:
+  Examples:
     >>> import jax, pallas_loop
     >>> n = pallas_loop.sampling.lognormal_poisson(jax.random.key(0), 32, mean=32, sigma=0.5,
     ...                                             cap=128)
@@ -214,7 +214,7 @@ def truncated_split(key: jax.Array, batch: int, k: ArrayLike, *,
   Returns:
     `Split(total, grad)`: int32 [batch] each, grad + no_grad == total.
 
-  Example:
+  Examples:
     >>> import jax, pallas_loop
     >>> total, k_grad = pallas_loop.sampling.truncated_split(
     ...     jax.random.key(0), 32, 8, mean=32, sigma=0.5, cap=128)

@@ -80,7 +80,7 @@ def default_tolerance(dtype: DTypeLike) -> tuple[float, float]:
     taken over the leaf (so a gradient leaf of size 1e3 is judged on its own
     scale).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, pallas_loop
     >>> pallas_loop.testing.default_tolerance(jnp.float32)
     (0.0001, 1e-05)
@@ -291,7 +291,7 @@ def check_against_reference(
       params['w']"), the first differing rows (or parameter elements), and
       the max abs and max rel error.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, pallas_loop
     >>> def step(params, h, x):
     ...   return jnp.tanh(h @ params["w"] + x)
@@ -376,7 +376,7 @@ def poisoned_padding() -> Iterator[None]:
   backward's padding stays finite: its zero cotangents times NaN would be
   NaN by arithmetic, not by a leak.)
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, pallas_loop
     >>> with pallas_loop.testing.poisoned_padding():
     ...   h = pallas_loop.iterate(lambda p, h, x: h + 1, None, jnp.zeros((5, 2)),
@@ -488,7 +488,7 @@ def check_row_independence(
       output h[0]").
     TypeError/ValueError: `step`'s output does not match `h`, or B < 2.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, pallas_loop
     >>> step = lambda params, h, x: jnp.tanh(h @ params + x)
     >>> h, x = jnp.ones((8, 4)), jnp.zeros((8, 4))

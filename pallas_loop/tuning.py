@@ -40,7 +40,7 @@ class TuneResult(NamedTuple):
 def default_candidates(batch: int) -> tuple[int, ...]:
   """Powers of two from 8 up to min(256, the batch rounded up to one).
 
-  Example:
+  Examples:
     >>> default_candidates(100)
     (8, 16, 32, 64, 128)
   """
@@ -62,7 +62,7 @@ def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int = 5,
   Returns:
     Seconds.
 
-  Example:
+  Examples:
     >>> median_seconds(jax.jit(lambda a: a + 1), 1.0, repeats=3) > 0
     True
   """
@@ -106,7 +106,7 @@ def tune_block_rows(step: Callable[..., Any], params: Any, h0: Any, x: Any = Non
     ValueError: bad `candidates`/`repeats`, `implementation`/`block_rows`
       in `iterate_kwargs`, or no candidate could run (with each reason).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> step = lambda p, h, x: jnp.tanh(h @ p)
     >>> r = tune_block_rows(step, jnp.eye(8), jnp.ones((64, 8)), max_iters=4,

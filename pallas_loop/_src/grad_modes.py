@@ -108,7 +108,7 @@ class Full(GradMode):
       max_iters)), which minimises the states held (about 2 sqrt(max_iters)
       per row). 1 keeps every state (the fastest, O(max_iters) memory).
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> step = lambda w, h, x: jnp.tanh(h @ w + x)
     >>> w, h0, x = 0.5 * jnp.eye(4), jnp.ones((3, 4)), jnp.zeros((3, 4))
@@ -152,7 +152,7 @@ class Truncated(GradMode):
   Attributes:
     k: static int >= 1.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> step = lambda w, h, x: jnp.tanh(h @ w + x)
     >>> w, h0, x = 0.5 * jnp.eye(4), jnp.ones((3, 4)), jnp.zeros((3, 4))
@@ -185,15 +185,15 @@ class Truncated(GradMode):
 
 @dataclasses.dataclass(frozen=True)
 class Implicit(GradMode):
-  """The implicit-function gradient at a fixed point h* = f(h*, x; params).
+  """The implicit-function gradient at a fixed point `h* = f(h*, x; params)`.
 
   With g the output cotangent, solves the adjoint fixed point
-  u = g + u·∂f/∂h(h*) per row by iterating the step's VJP with `iterate`
+  `u = g + u·∂f/∂h(h*)` per row by iterating the step's VJP with `iterate`
   itself (halting at rms update <= `tol`, at most `max_iters` steps; the same
   implementation as the forward), then returns u·∂f/∂(params, x). Exact for
   rows that converged to a fixed point of a contraction; an approximation for
   rows that stopped on their budget. The gradient w.r.t. `h0` is zero, except
-  for rows that applied no step (their output is `h0`). Saves only h*.
+  for rows that applied no step (their output is `h0`). Saves only `h*`.
 
   Attributes:
     tol: rms tolerance of the adjoint iteration (float > 0), or None (the
@@ -202,7 +202,7 @@ class Implicit(GradMode):
     max_iters: its step budget (static int >= 1), or None (the default): the
       forward call's `max_iters`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> step = lambda w, h, x: jnp.tanh(h @ w + x)
     >>> w, h0, x = 0.5 * jnp.eye(4), jnp.ones((3, 4)), jnp.zeros((3, 4))
@@ -259,7 +259,7 @@ class Implicit(GradMode):
 class Phantom(GradMode):
   """The gradient of k steps unrolled from the stopped-gradient output.
 
-  The output value is the forward's h*; its gradient is that of
+  The output value is the forward's `h*`; its gradient is that of
   `step^m(stop_gradient(h*))` with m = min(k, n_i) for row i (a cheap
   approximation of `Implicit` for deep equilibrium models). The unrolled
   steps reuse the step indices (and random keys) of the row's last m steps.
@@ -269,7 +269,7 @@ class Phantom(GradMode):
   Attributes:
     k: static int >= 1.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> step = lambda w, h, x: jnp.tanh(h @ w + x)
     >>> w, h0, x = 0.5 * jnp.eye(4), jnp.ones((3, 4)), jnp.zeros((3, 4))

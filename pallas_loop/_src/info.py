@@ -21,7 +21,7 @@ class IterateInfo(NamedTuple):
     halted: bool [B], True where a halting criterion (`tol`/`halt`, not the
       step budget) stopped the row, including on its last budgeted step.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, pallas_loop
     >>> step = lambda params, h, x: h * 0.5
     >>> h, info = pallas_loop.iterate(step, None, jnp.ones((3, 2)), max_iters=8,

@@ -119,7 +119,7 @@ def iterate(
     budget) stopped the row. Halting decisions are data: gradients flow
     through the steps each row actually applied.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, pallas_loop
     >>> double = lambda params, h, x: h * 2
     >>> pallas_loop.iterate(double, None, jnp.ones((3, 5)),

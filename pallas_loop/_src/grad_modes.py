@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_loop._src import loop as loop_lib
+from pallas_loop._src import loop_reverse
 from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src import validation
 from pallas_loop._src.operands import Gradients, LoopOperands, LoopOutputs, WindowOperands
@@ -240,19 +241,33 @@ class Implicit(GradMode):
       tol = self.DEFAULT_TOL if forward_tol is None else forward_tol
     t_last = jnp.maximum(steps - 1, 0)[:, None]
     rows = ops.row_ids[:, None]
+    # The adjoint is carried for the float leaves of the state only: integer
+    # and bool leaves (counters, flags) have no derivative.
+    g_floats = loop_reverse.float_leaves(g)
+    if not g_floats:
+      return _no_gradients(ops, g)
 
     def adjoint_step(shared, u, per_row):
       h_s, x, g_, t, r = per_row
-      _, vjp = jax.vjp(lambda h: ctx.fn.new_state(shared, h, x, t, r), h_s)
-      return tree_util.tree_map(lambda a, b: a + b, g_, vjp(u)[0])
+      (d_h,) = loop_reverse.vjp_of_floats(
+          lambda h: ctx.fn.new_state(shared, h, x, t, r), (h_s,), u)
+      return [a + b for a, b in zip(g_, loop_reverse.float_leaves(d_h))]
 
     u = ctx.iterate(
-        adjoint_step, (ops.params, ops.consts), g, (h_star, ops.x, g, t_last, rows),
+        adjoint_step, (ops.params, ops.consts), g_floats, (h_star, ops.x, g_floats, t_last, rows),
         iters=jnp.where(steps > 0, budget, 0), max_iters=budget, tol=tol)
-    _, vjp = jax.vjp(lambda shared, x: ctx.fn.new_state(shared, h_star, x, t_last, rows),
-                     (ops.params, ops.consts), ops.x)
-    (g_params, g_consts), g_x = vjp(_zero_rows(steps > 0, u))
+    u = [_zero_rows(steps > 0, a) for a in u]
+    (g_params, g_consts), g_x = loop_reverse.vjp_of_floats(
+        lambda shared, x: ctx.fn.new_state(shared, h_star, x, t_last, rows),
+        ((ops.params, ops.consts), ops.x), u)
     return g_params, g_consts, _zero_rows(steps == 0, g), g_x
+
+
+def _no_gradients(ops: LoopOperands, g: Any) -> Gradients:
+  """Gradients of a state without float leaves: none (None) for the shared
+  operands and inputs, `g` (zeros) for the state."""
+  none = lambda tree: tree_util.tree_map(lambda _: None, tree)
+  return none(ops.params), none(list(ops.consts)), g, none(ops.x)
 
 
 @dataclasses.dataclass(frozen=True)

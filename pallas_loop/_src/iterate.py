@@ -13,11 +13,13 @@ from typing import Any, Callable
 
 import jax
 from jax import lax
+from jax import tree_util
 import jax.numpy as jnp
 
 from pallas_loop._src import dispatch
 from pallas_loop._src import grad_modes
 from pallas_loop._src import info as info_lib
+from pallas_loop._src import loop_reverse
 from pallas_loop import random as random_lib
 from pallas_loop._src import sharding
 from pallas_loop._src import step_fn as step_fn_lib
@@ -153,7 +155,7 @@ def iterate(
       iterate=functools.partial(iterate, **tiling.as_kwargs()))
   # Rows sharded over explicit mesh axes: run the loop (differentiable) on
   # each device's own rows (`sharding.py`); else the loop itself.
-  loop = sharding.per_shard(_differentiable(mode, ctx))
+  loop = sharding.per_shard(_differentiable(mode, ctx, step_fn_lib.avals(h0)))
   out = loop(LoopOperands(params, consts, h0, x, counts,
                           jnp.arange(batch, dtype=jnp.int32), halting))
   if not return_info:
@@ -162,9 +164,15 @@ def iterate(
                                      halted=out.halted)
 
 
-def _differentiable(mode: grad_modes.GradMode,
-                    ctx: grad_modes.Context) -> Callable[[LoopOperands], LoopOutputs]:
-  """`ctx.forward` with the backward of `mode`, as one custom_vjp."""
+def _differentiable(mode: grad_modes.GradMode, ctx: grad_modes.Context,
+                    h_avals: Any) -> Callable[[LoopOperands], LoopOutputs]:
+  """`ctx.forward` with the backward of `mode`, as one custom_vjp.
+
+  `h_avals` (the state's leaves' dtypes) translate between JAX's float0
+  cotangents of integer and bool state leaves and the backwards' convention:
+  zeros of the leaf's own dtype in, None (no gradient) out
+  (`loop_reverse.with_integer_zeros`).
+  """
 
   @jax.custom_vjp
   def run(ops: LoopOperands) -> LoopOutputs:
@@ -176,7 +184,12 @@ def _differentiable(mode: grad_modes.GradMode,
 
   def run_bwd(saved: grad_modes.Saved, cotangents: LoopOutputs) -> tuple[LoopOperands]:
     # Only the state is differentiated (residual, steps and halted are not).
-    g_params, g_consts, g_h0, g_x = mode.backward(ctx, saved, cotangents.h)
+    g = tree_util.tree_map(
+        lambda c, a: c if loop_reverse.is_float(a) else jnp.zeros(c.shape, a.dtype),
+        cotangents.h, h_avals)
+    g_params, g_consts, g_h0, g_x = mode.backward(ctx, saved, g)
+    g_h0 = tree_util.tree_map(lambda c, a: c if loop_reverse.is_float(a) else None,
+                              g_h0, h_avals)
     return (LoopOperands(g_params, g_consts, g_h0, g_x, None, None, None),)
 
   run.defvjp(run_fwd, run_bwd)

@@ -97,28 +97,23 @@ def _float_vjp(step, shared, h, x, t, rows, ct, acc_shared: RefSum, acc_x: RefSu
     (d_h, acc_shared, acc_x) as `loop_reverse.step_vjp`.
   """
   del step  # the kernel's evaluation of it: `plain_step` is differentiated
-  leaves, tree = tree_util.tree_flatten((shared, x))
-  is_f = [loop_reverse.is_float(a) for a in leaves]
   # Integer operands (key data) are closed over by the traced VJP: load them.
-  leaves = [a.load() if isinstance(a, jaxpr_eval.LoadOnUse) and not f_ else a
-            for a, f_ in zip(leaves, is_f)]
-
-  def f(floats, h_):
-    it = iter(floats)
-    shared_, x_ = tree_util.tree_unflatten(tree, [next(it) if f_ else a
-                                                  for a, f_ in zip(leaves, is_f)])
-    return plain_step(shared_, h_, x_, t, rows)
-
-  def vjp_of(floats, h_, ct_):
-    d_floats, d_h = jax.vjp(f, floats, h_)[1](ct_)
-    return d_h, d_floats
-
-  # Flat outputs: d_h's leaves, then one per float leaf of (shared, x).
-  floats = [a for a, f_ in zip(leaves, is_f) if f_]
-  float_refs = [r for r, f_ in zip(acc_shared.refs + acc_x.refs, is_f) if f_]
-  sinks = RefSum(float_refs).sinks(offset=len(tree_util.tree_leaves(h)))
-  d_h, _ = jaxpr_eval.call_with_matched_dots(vjp_of, floats, h, ct, sinks=sinks, rules=rules)
-  return d_h, acc_shared, acc_x
+  shared, x = tree_util.tree_map(
+      lambda a: a.load() if isinstance(a, jaxpr_eval.LoadOnUse) and not loop_reverse.is_float(a)
+      else a, (shared, x))
+  # Outputs of the VJP, one per float leaf of (shared, h, x): the shared and
+  # input gradients go to their refs, the state's come back.
+  float_refs = lambda refs, tree: [r for r, a in zip(refs, tree_util.tree_leaves(tree))
+                                   if loop_reverse.is_float(a)]
+  n_h = len(loop_reverse.float_leaves(h))
+  sinks = RefSum(float_refs(acc_shared.refs, shared) + [None] * n_h
+                 + float_refs(acc_x.refs, x)).sinks()
+  evaluate = lambda vjp_fn, floats, ct_: jaxpr_eval.call_with_matched_dots(
+      vjp_fn, floats, ct_, sinks=sinks, rules=rules)
+  _, d_h, _ = loop_reverse.vjp_of_floats(
+      lambda s_, h_, x_: plain_step(s_, h_, x_, t, rows), (shared, h, x),
+      loop_reverse.float_leaves(ct), evaluate=evaluate)
+  return loop_reverse.with_integer_zeros(d_h, h), acc_shared, acc_x
 
 
 def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):

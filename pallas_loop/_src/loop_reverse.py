@@ -74,16 +74,76 @@ def cast_like(acc: Any, ref: Any) -> Any:
       is_leaf=lambda v: v is None)
 
 
+def float_leaves(tree: Any) -> list[Any]:
+  """The leaves of `tree` whose dtype is floating (the differentiable ones)."""
+  return [a for a in tree_util.tree_leaves(tree) if is_float(a)]
+
+
+def with_integer_zeros(d: Any, like: Any) -> Any:
+  """`d` (a cotangent tree with None at the non-float leaves of `like`) with
+  those Nones replaced by zeros of the leaf's own dtype.
+
+  Inside the backwards, the cotangent of an integer or bool state leaf is an
+  array of zeros of that leaf's dtype: every implementation carries it the
+  same way (a Pallas kernel cannot hold float0), so the per-platform branches
+  agree on their output types. float0 appears only at the custom_vjp boundary
+  (`iterate._differentiable`).
+  """
+  return tree_util.tree_map(lambda a, r: jnp.zeros(jnp.shape(r), jnp.result_type(r))
+                            if a is None else a, d, like, is_leaf=lambda v: v is None)
+
+
+def vjp_of_floats(fn: Callable[..., Any], args: tuple[Any, ...], ct_floats: list[Any],
+                  *, evaluate: Callable[..., Any] | None = None) -> tuple[Any, ...]:
+  """The VJP of `fn(*args)` with respect to the float leaves of `args` only.
+
+  Integer and bool leaves (step counters, flags, key data) have no
+  derivative: they are closed over, not differentiated, so no float0 value
+  enters the computation (it could not inside a Pallas kernel).
+
+  Args:
+    fn: the function; its output may mix float and non-float leaves.
+    args: a tuple of pytrees.
+    ct_floats: the cotangents of `fn`'s float output leaves, in order.
+    evaluate: evaluate(vjp_fn, floats, ct_floats) -> cotangents of floats;
+      None calls `vjp_fn(floats, ct_floats)` directly (kernels pass one that evaluates it with
+      their rules, `kernel_backward.py`).
+
+  Returns:
+    A tuple like `args`: the cotangent of each float leaf, None elsewhere.
+  """
+  leaves, tree = tree_util.tree_flatten(args)
+  is_f = [is_float(a) for a in leaves]
+
+  def on_floats(floats: list[Any]) -> list[Any]:
+    it = iter(floats)
+    out = fn(*tree_util.tree_unflatten(tree, [next(it) if f else a
+                                              for a, f in zip(leaves, is_f)]))
+    return float_leaves(out)
+
+  def vjp_fn(floats: list[Any], ct: list[Any]) -> list[Any]:
+    return jax.vjp(on_floats, floats)[1](ct)[0]
+
+  floats = [a for a, f in zip(leaves, is_f) if f]
+  d = vjp_fn(floats, list(ct_floats)) if evaluate is None else evaluate(
+      vjp_fn, floats, list(ct_floats))
+  it = iter(d)
+  return tuple(tree_util.tree_unflatten(tree, [next(it) if f else None for f in is_f]))
+
+
 def step_vjp(step: Callable, shared: Any, h: Any, x: Any, t: jax.Array, rows: jax.Array,
              ct: Any, acc_shared: Any, acc_x: Any) -> tuple[Any, Any, Any]:
   """The VJP of `step` at (shared, h, x) for `ct`, summed into the accumulators.
 
+  Only float leaves are differentiated; integer state leaves get zero
+  cotangents of their own dtype (`with_integer_zeros`).
+
   Returns:
     (d_h, acc_shared + d_shared, acc_x + d_x).
   """
-  _, vjp = jax.vjp(lambda s_, h_, x_: step(s_, h_, x_, t, rows), shared, h, x)
-  d_shared, d_h, d_x = vjp(ct)
-  return d_h, acc_shared.add(d_shared), acc_x.add(d_x)
+  d_shared, d_h, d_x = vjp_of_floats(lambda s_, h_, x_: step(s_, h_, x_, t, rows),
+                                     (shared, h, x), float_leaves(ct))
+  return with_integer_zeros(d_h, h), acc_shared.add(d_shared), acc_x.add(d_x)
 
 
 def _counted_loop(lo: int | jax.Array, hi: int | jax.Array,

@@ -8,9 +8,16 @@ is constrained only for 2-D operands (rows are the sublane axis: a multiple of
 
 from __future__ import annotations
 
+# `pltpu` is imported with this module, never lazily during a trace: importing
+# it registers a JAX config option (its interpreter's), which changes JAX's
+# tracing context, so an import inside a user's first trace made their jitted
+# function miss the cache on its second call and compile again
+# (tests/test_compile_count.py).
+
 import math
 from typing import Any, Sequence
 
+from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jex_core
 import numpy as np
 
@@ -117,7 +124,6 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool
   may fit).
   """
   del block_rows_given
-  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   default, physical = vmem(backend_lib.device_kind("tpu"))
   cap = physical * 7 // 8 if physical > default else default
   need = vmem_estimate(fp)

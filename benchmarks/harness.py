@@ -39,7 +39,7 @@ from pallas_loop._src import backend_mosaic_tpu
 from pallas_loop._src import backend_triton
 from pallas_loop._src import xla_backward
 from pallas_loop._src import xla_forward
-import reference
+from pallas_loop import _reference as reference
 from benchmarks import blocks
 from benchmarks import cases
 

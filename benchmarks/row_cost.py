@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_loop
-import reference
+from pallas_loop import _reference as reference
 from benchmarks import blocks
 from benchmarks import cases
 from benchmarks import harness

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_loop
-import reference
+from pallas_loop import _reference as reference
 
 
 def deq_layer(params, h, x):

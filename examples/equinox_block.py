@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_loop
-import reference
+from pallas_loop import _reference as reference
 
 
 class ResidualCell(eqx.Module):

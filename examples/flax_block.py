@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_loop
-import reference
+from pallas_loop import _reference as reference
 
 
 class ResidualCell(nnx.Module):

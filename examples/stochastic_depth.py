@@ -35,7 +35,7 @@ import numpy as np
 import pallas_loop
 from pallas_loop import random as prandom
 from pallas_loop import sampling
-import reference
+from pallas_loop import _reference as reference
 
 BATCH, FEATURES, MAX_ITERS, RATE, SCALE = 32, 64, 100, 0.5, 0.1
 

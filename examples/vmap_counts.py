@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_loop
-import reference
+from pallas_loop import _reference as reference
 
 
 def _first_lines(err: Exception, n: int = 2) -> str:

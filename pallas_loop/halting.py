@@ -65,8 +65,9 @@ def relative_change(rtol: float, atol: float = 0.0) -> Criterion:
     >>> import pallas_loop
     >>> step = lambda w, h, x: 0.5 * h + x            # converges to 2x
     >>> h0, x = jnp.zeros((2, 3)), jnp.ones((2, 3))
-    >>> h, info = pallas_loop.iterate(step, None, h0, x, max_iters=100, return_info=True,
-    ...                               halt=pallas_loop.halting.relative_change(1e-3))
+    >>> halt = pallas_loop.halting.relative_change(1e-3)
+    >>> h, info = pallas_loop.iterate(step, None, h0, x, max_iters=100,
+    ...                               halt=halt, return_info=True)
     >>> info.steps
     Array([10, 10], dtype=int32)
   """
@@ -100,7 +101,8 @@ def below(score: Callable[[Any, Any, Any, Any], jax.Array], threshold: float) ->
   Examples:
     >>> import jax, pallas_loop
     >>> def kl(params, h_new, h, x):         # successive softmax outputs
-    ...   p, q = jax.nn.log_softmax(h_new @ params), jax.nn.log_softmax(h @ params)
+    ...   p = jax.nn.log_softmax(h_new @ params)
+    ...   q = jax.nn.log_softmax(h @ params)
     ...   return jnp.sum(jnp.exp(p) * (p - q), axis=-1)
     >>> halt = pallas_loop.halting.below(kl, 1e-4)
   """
@@ -125,7 +127,8 @@ def any_of(*criteria: Criterion) -> Criterion:
   Examples:
     >>> from pallas_loop import halting
     >>> rms = lambda params, h_new, h, x: halting.row_rms(h_new - h)
-    >>> halt = halting.any_of(halting.relative_change(1e-3), halting.below(rms, 1e-4))
+    >>> halt = halting.any_of(halting.relative_change(1e-3),
+    ...                       halting.below(rms, 1e-4))
   """
   if not criteria:
     raise ValueError("any_of needs at least one criterion.")

@@ -119,7 +119,9 @@ def threefry2x32(k0: ArrayLike, k1: ArrayLike, c0: ArrayLike,
     (whose counter array holds all first words, then all second words).
 
   Examples:
-    >>> threefry2x32(0x13198A2E, 0x03707344, 0x243F6A88, 0x85A308D3)  # Random123 KAT
+    >>> from pallas_loop.random import threefry2x32
+    >>> # Random123's known-answer test
+    >>> threefry2x32(0x13198A2E, 0x03707344, 0x243F6A88, 0x85A308D3)
     (Array(3297917596, dtype=uint32), Array(1212020640, dtype=uint32))
   """
   k0, k1, c0, c1 = (_u32(v) for v in (k0, k1, c0, c1))
@@ -263,8 +265,9 @@ def step_keys(data: jax.Array, rows: jax.Array, t: jax.Array) -> jax.Array:
   Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> data = pallas_loop.random.key_data(jax.random.key(0))
-    >>> keys = pallas_loop.random.step_keys(
-    ...     data, jnp.arange(4, dtype=jnp.int32)[:, None], jnp.zeros((4, 1), jnp.int32))
+    >>> rows = jnp.arange(4, dtype=jnp.int32)[:, None]     # rows 0..3
+    >>> t = jnp.zeros((4, 1), jnp.int32)                    # their step 0
+    >>> keys = pallas_loop.random.step_keys(data, rows, t)
     >>> keys.shape, keys.dtype
     ((4, 2), dtype('uint32'))
   """
@@ -332,7 +335,7 @@ def fold_in(key: jax.Array, data: ArrayLike) -> jax.Array:
 
   Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
-    >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
+    >>> key = jnp.zeros((8, 2), jnp.uint32)  # a keyed step's per-row keys
     >>> pallas_loop.random.fold_in(key, 1).shape
     (8, 2)
   """
@@ -404,7 +407,7 @@ def uniform(key: jax.Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32
 
   Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
-    >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
+    >>> key = jnp.zeros((8, 2), jnp.uint32)  # a keyed step's per-row keys
     >>> h = jnp.ones((8, 4))
     >>> noise = pallas_loop.random.uniform(key, h.shape)
     >>> noise.shape, bool(((noise >= 0) & (noise < 1)).all())
@@ -435,7 +438,7 @@ def bernoulli(key: jax.Array, p: ArrayLike, shape: Sequence[int]) -> jax.Array:
 
   Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
-    >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
+    >>> key = jnp.zeros((8, 2), jnp.uint32)  # a keyed step's per-row keys
     >>> h = jnp.ones((8, 4))
     >>> keep = pallas_loop.random.bernoulli(key, 0.9, h.shape)
     >>> keep.shape, keep.dtype
@@ -474,7 +477,7 @@ def normal(key: jax.Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32)
 
   Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
-    >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
+    >>> key = jnp.zeros((8, 2), jnp.uint32)  # a keyed step's per-row keys
     >>> h = jnp.ones((8, 4))
     >>> h = h + 0.01 * pallas_loop.random.normal(key, h.shape, h.dtype)
     >>> h.shape
@@ -511,7 +514,7 @@ def dropout(key: jax.Array, x: jax.Array, rate: float) -> jax.Array:
 
   Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
-    >>> key = jnp.zeros((8, 2), jnp.uint32)       # one key per row, as a keyed step gets
+    >>> key = jnp.zeros((8, 2), jnp.uint32)  # a keyed step's per-row keys
     >>> h, w = jnp.ones((8, 4)), jnp.eye(4)
     >>> h = pallas_loop.random.dropout(key, jnp.tanh(h @ w), 0.1)
     >>> h.shape

@@ -77,7 +77,8 @@ def uniform(key: jax.Array, batch: int, lo: ArrayLike, hi: ArrayLike) -> jax.Arr
 
   Examples:
     >>> import jax, pallas_loop
-    >>> n = pallas_loop.sampling.uniform(jax.random.key(0), 32, 1, 100)  # stochastic depth
+    >>> # stochastic depth: 32 rows, each 1 to 100 steps
+    >>> n = pallas_loop.sampling.uniform(jax.random.key(0), 32, 1, 100)
     >>> n.shape, bool(((n >= 1) & (n <= 100)).all())
     ((32,), True)
   """
@@ -113,7 +114,8 @@ def geometric(key: jax.Array, batch: int, *, p: ArrayLike | None = None,
 
   Examples:
     >>> import jax, pallas_loop
-    >>> n = pallas_loop.sampling.geometric(jax.random.key(0), 32, mean=8.0, cap=64)
+    >>> key = jax.random.key(0)
+    >>> n = pallas_loop.sampling.geometric(key, 32, mean=8.0, cap=64)
     >>> n.shape, bool((n <= 64).all())
     ((32,), True)
   """
@@ -156,8 +158,9 @@ def lognormal_poisson(key: jax.Array, batch: int, *, mean: ArrayLike, sigma: Arr
 
   Examples:
     >>> import jax, pallas_loop
-    >>> n = pallas_loop.sampling.lognormal_poisson(jax.random.key(0), 32, mean=32, sigma=0.5,
-    ...                                             cap=128)
+    >>> key = jax.random.key(0)
+    >>> n = pallas_loop.sampling.lognormal_poisson(key, 32, mean=32, sigma=0.5,
+    ...                                            cap=128)
     >>> n.shape, bool((n <= 128).all())
     ((32,), True)
   """

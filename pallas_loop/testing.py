@@ -10,7 +10,7 @@ Two functions, meant to be the first thing a user runs on their own `step`:
   row changes no other row's output.
 * `check_against_reference(step, params, h0, x, iters=..., max_iters=...)`:
   runs `pallas_loop.iterate` (by default the Pallas kernel; interpret mode on
-  CPU) and `reference.iterate` (a plain masked `lax.scan`) on the user's own
+  CPU) and the oracle (a plain masked `lax.scan`) on the user's own
   inputs, forward and gradients, and raises an `AssertionError` naming the
   output or gradient leaf, the rows and the size of every difference.
 
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 import numpy as np
 
-import reference
+import pallas_loop._reference as reference
 from pallas_loop._src import iterate as iterate_lib
 from pallas_loop._src import grad_modes
 from pallas_loop._src import step_fn as step_fn_lib
@@ -316,10 +316,10 @@ def check_against_reference(
   shared = {k: v for k, v in options.items()
             if k in ref_accepts and k not in _ITERATE_ONLY}
   # Gradients are compared where the reference computes the same ones ("full",
-  # or Truncated(k) by stop_gradient).
+  # or Truncated(k) by stop_gradient): the mode says with which arguments.
   reference_grad = grad_modes.as_mode(options.get("grad", "full")).reference_grad()
   if reference_grad is not None:
-    shared["grad"] = reference_grad
+    shared.update(reference_grad)
   compare_grads = grads and reference_grad is not None
   halting = options.get("tol") is not None or options.get("halt") is not None
 

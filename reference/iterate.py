@@ -1,21 +1,41 @@
-"""`reference.iterate`: the semantics of `pallas_loop.iterate`, written plainly."""
+"""The oracle's `iterate`: the semantics of `pallas_loop.iterate`, written plainly."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-# The public API only: the gradient mode classes, IterateInfo and the
-# per-(row, step) key derivation (which the oracle shares by design).
-import pallas_loop
+# The one thing taken from the library: the public per-(row, step) key
+# derivation, which the oracle shares by design.
+from pallas_loop import random as pl_random
 
 
-# The same per-row statistics as the library's.
-IterateInfo = pallas_loop.IterateInfo
+class IterateInfo(NamedTuple):
+  """Per-row statistics of one oracle run (the fields of `pallas_loop.IterateInfo`).
+
+  Attributes:
+    steps: int32 [B], how many times `step` was applied to each row.
+    residual: float32 [B], rms over the row's state elements of its last
+      update `h_new - h`, in float32; 0 where no step ran.
+    halted: bool [B], True where `tol`/`halt` (not the budget) stopped the row.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from pallas_loop import _reference as reference
+    >>> _, info = reference.iterate(lambda p, h, x: h / 2, None, jnp.ones((2, 3)),
+    ...                             iters=jnp.array([1, 4]), max_iters=4, tol=0.1,
+    ...                             return_info=True)
+    >>> info.steps, info.halted
+    (Array([1, 4], dtype=int32), Array([False,  True], dtype=bool))
+  """
+
+  steps: jax.Array
+  residual: jax.Array
+  halted: jax.Array
 
 
 def iterate(
@@ -30,7 +50,7 @@ def iterate(
     halt: Callable[..., Any] | None = None,
     min_iters: Any = 0,
     key: Any = None,
-    grad: Any = "full",
+    truncate: int | None = None,
     return_info: bool = False,
     per_example: bool = False,
 ):
@@ -57,10 +77,11 @@ def iterate(
       (key, i, t). A row applies its steps at t = 0, 1, ... (later steps
       are computed and discarded), so the j-th step a row applies (0-based)
       gets the key of (i, j) in every implementation.
-    grad: "full" (plain autodiff through the scan) or
-      `pallas_loop.Truncated(k)`: each row's steps before its last k applied
-      ones have their result `stop_gradient`-ed, so the gradient flows through
-      the last k steps only (and reaches h0 only if the row applied <= k).
+    truncate: None (plain autodiff through the scan) or an int k >= 1: each
+      row's steps before its last k applied ones have their result
+      `stop_gradient`-ed, so the gradient flows through the last k steps only
+      (and reaches h0 only if the row applied <= k): the gradient of
+      `pallas_loop.Truncated(k)`.
     return_info: also return an `IterateInfo`.
     per_example: `step` is written for one row (vmapped over the rows here).
 
@@ -68,7 +89,8 @@ def iterate(
     The final state (and an `IterateInfo` with `return_info=True`).
 
   Example:
-    >>> import jax.numpy as jnp, reference
+    >>> import jax.numpy as jnp
+    >>> from pallas_loop import _reference as reference
     >>> reference.iterate(lambda p, h, x: 2 * h, None, jnp.ones((3, 5)),
     ...                   iters=jnp.array([1, 2, 3]), max_iters=3)[:, 0]
     Array([2., 4., 8.], dtype=float32)
@@ -77,17 +99,17 @@ def iterate(
     one_row = step
     in_axes = (None, 0, 0) + ((0,) if key is not None else ())
     step = lambda *args: jax.vmap(one_row, in_axes=in_axes)(*args)
-  if isinstance(grad, pallas_loop.Truncated):
+  if truncate is not None:
+    if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < 1:
+      raise ValueError(f"truncate must be None or an int >= 1, got {truncate!r}.")
     # Which steps are the last k is known only once halting has run: find the
     # applied steps first (no gradient needed), then replay exactly them.
     _, info = iterate(step, params, h0, x, iters=iters, max_iters=max_iters, tol=tol,
                       halt=halt, min_iters=min_iters, key=key, return_info=True)
     steps = lax.stop_gradient(info.steps)
     h = _scan(step, params, h0, x, steps, max_iters, None, None, 0, key,
-              truncate=(steps, grad.k))[0]
+              truncate=(steps, truncate))[0]
     return (h, info) if return_info else h
-  if not (isinstance(grad, str) and grad == "full"):
-    raise ValueError(f"reference.iterate supports grad='full' or Truncated(k), got {grad!r}.")
   h, residual, steps, halted = _scan(step, params, h0, x, iters, max_iters, tol, halt,
                                      min_iters, key, truncate=None)
   if not return_info:
@@ -105,7 +127,7 @@ def _scan(step, params, h0, x, iters, max_iters, tol, halt, min_iters, key, trun
   n_elems = sum(int(np.prod(a.shape[1:])) for a in leaves)
 
   if key is not None:
-    key_words = pallas_loop.random.key_data(key)
+    key_words = pl_random.key_data(key)
     rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
 
   def per_row(mask, leaf):
@@ -116,7 +138,7 @@ def _scan(step, params, h0, x, iters, max_iters, tol, halt, min_iters, key, trun
     if key is None:
       h_new = step(params, h, x)
     else:
-      k = pallas_loop.random.step_keys(key_words, rows, jnp.full((batch, 1), t, jnp.int32))
+      k = pl_random.step_keys(key_words, rows, jnp.full((batch, 1), t, jnp.int32))
       h_new = step(params, h, x, k)
     active = (t < n) & ~halted
     squares = sum(

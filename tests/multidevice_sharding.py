@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_loop
-import reference
+from pallas_loop import _reference as reference
 from tests import cases
 from tests import oracle
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import reference
+from pallas_loop import _reference as reference
 
 F32_RTOL = 2e-5
 F32_ATOL = 2e-5

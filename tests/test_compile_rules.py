@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_loop
-import reference
+from pallas_loop import _reference as reference
 from benchmarks import blocks
 from benchmarks import compile_check
 from pallas_loop._src import backend as backend_lib

@@ -11,7 +11,7 @@ import pytest
 from jax.test_util import check_grads
 
 import pallas_loop
-import reference
+from pallas_loop import _reference as reference
 from benchmarks import blocks
 from tests import cases
 from tests import oracle

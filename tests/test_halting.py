@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pallas_loop
-import reference
+from pallas_loop import _reference as reference
 from benchmarks import blocks
 from pallas_loop import halting
 from tests import cases

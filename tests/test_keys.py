@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pallas_loop
-import reference
+from pallas_loop import _reference as reference
 from pallas_loop import random as plr
 from tests import cases
 from tests import lowering

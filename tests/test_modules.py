@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import pallas_loop
-import reference
+from pallas_loop import _reference as reference
 from pallas_loop import testing
 from tests import cases
 from tests import oracle

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pallas_loop
-import reference
+from pallas_loop import _reference as reference
 from benchmarks import blocks
 from tests import cases
 from tests import oracle

@@ -20,7 +20,7 @@ from scipy import stats
 
 import pallas_loop
 from pallas_loop import random as prand
-import reference
+from pallas_loop import _reference as reference
 from tests import lowering
 
 R, D, T = 64, 128, 32  # rows, columns, steps of the statistical draws

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import pallas_loop
-import reference
+from pallas_loop import _reference as reference
 from benchmarks import blocks
 from benchmarks import harness
 from pallas_loop._src import backend as backend_lib

@@ -93,9 +93,9 @@ class GradMode(abc.ABC):
   def backward(self, ctx: Context, saved: Saved, g) -> Gradients:
     """Cotangents of (params, consts, h0, x) for the output cotangent `g`."""
 
-  def reference_grad(self) -> Any:
-    """The `grad=` value for which `reference.iterate` computes this mode's
-    gradient, or None when it has no counterpart there."""
+  def reference_grad(self) -> dict[str, Any] | None:
+    """The keyword arguments with which the oracle (`pallas_loop._reference`)
+    computes this mode's gradient, or None when it has no counterpart there."""
     return None
 
 
@@ -135,8 +135,8 @@ class Full(GradMode):
                             steps, ops.row_ids, g)
     return ctx.window(window, ctx.max_iters, self.checkpoint_every)
 
-  def reference_grad(self) -> Any:
-    return "full"
+  def reference_grad(self) -> dict[str, Any] | None:
+    return {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,8 +180,8 @@ class Truncated(GradMode):
     g_params, g_consts, g_start, g_x = _last_steps_window(self.k, ctx, saved, h_start, g)
     return g_params, g_consts, _zero_rows(skipped == 0, g_start), g_x
 
-  def reference_grad(self) -> Any:
-    return self
+  def reference_grad(self) -> dict[str, Any] | None:
+    return {"truncate": self.k}
 
 
 @dataclasses.dataclass(frozen=True)

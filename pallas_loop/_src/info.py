@@ -24,8 +24,9 @@ class IterateInfo(NamedTuple):
   Examples:
     >>> import jax.numpy as jnp, pallas_loop
     >>> step = lambda params, h, x: h * 0.5
-    >>> h, info = pallas_loop.iterate(step, None, jnp.ones((3, 2)), max_iters=8,
-    ...                               iters=jnp.array([-1, 3, 20]), return_info=True)
+    >>> n = jnp.array([-1, 3, 20])
+    >>> h, info = pallas_loop.iterate(step, None, jnp.ones((3, 2)), iters=n,
+    ...                               max_iters=8, return_info=True)
     >>> info.steps      # == clip(n, 0, 8)
     Array([0, 3, 8], dtype=int32)
   """

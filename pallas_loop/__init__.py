@@ -9,8 +9,6 @@ The public surface is what this module exports; everything under
 """
 
 from pallas_loop._version import __version__
-# iterate, the gradient modes and IterateInfo first: `testing` imports the
-# `reference` package, which uses them.
 from pallas_loop._src.grad_modes import Full, Implicit, Phantom, Truncated
 from pallas_loop._src.info import IterateInfo
 from pallas_loop._src.iterate import iterate

@@ -1,0 +1,80 @@
+"""mkdocs hook: fail the strict build when an API page renders a docstring wrongly.
+
+mkdocstrings turns a docstring it half-understands into valid but wrong HTML,
+which `--strict` alone lets through. On the pages under api/ this hook warns
+(an error under `mkdocs build --strict`) when:
+
+* a docstring example is not a code block: `>>>` outside `<pre>`, or a
+  blockquote (Markdown reads a bare `>>>` as three nested quotes). Google
+  style's section is `Examples:`; `Example:` is not one and renders its
+  body as text.
+* a section griffe did not recognise became an admonition (`Example:`,
+  `Note:`-like titles it does not know render as a collapsible box).
+* emphasis appears: the docstrings are read in `help()` too and use no
+  Markdown emphasis, so `<em>`/`<strong>` means a `*` (e.g. `h*`, `2**k`)
+  outside backticks paired with another one.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+log = logging.getLogger("mkdocs.plugins.api_render_check")
+
+_PRE = re.compile(r"<pre\b.*?</pre>", re.S)
+_ADMONITION = re.compile(r'<details class="(\w+)"[^>]*>\s*<summary>([^<]*)</summary>')
+_EMPHASIS = re.compile(r"<(em|strong)>(.*?)</\1>", re.S)
+
+
+def _text(fragment: str, limit: int = 80) -> str:
+  text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", fragment)).strip()
+  return text[:limit]
+
+
+def problems(html: str) -> list[str]:
+  """What is rendered wrongly in one API page's HTML.
+
+  Args:
+    html: the page's HTML as mkdocs writes it.
+
+  Returns:
+    One line per problem; empty when the page renders as written.
+
+  Examples:
+    >>> problems("<pre><code>&gt;&gt;&gt; 1 + 1\\n2</code></pre>")
+    []
+    >>> problems("<blockquote><p>1 + 1</p></blockquote>")[0][:30]
+    'a docstring example rendered a'
+  """
+  found = []
+  if "<blockquote" in html:
+    found.append("a docstring example rendered as a quote, not a code block: "
+                 "its section must be 'Examples:' (Google style)")
+  outside = _PRE.sub("", html)
+  for m in re.finditer(r"&gt;&gt;&gt;", outside):
+    found.append(f"'>>>' outside a code block: {_text(outside[m.start():m.start() + 200])!r}")
+  for m in _ADMONITION.finditer(html):
+    found.append(f"section {m.group(2).strip()!r} is not a Google-style section griffe "
+                 f"knows (rendered as a '{m.group(1)}' box); 'Examples:' for examples")
+  for m in _EMPHASIS.finditer(html):
+    found.append(f"<{m.group(1)}> around {_text(m.group(2))!r}: put expressions with '*' "
+                 f"in backticks")
+  return found
+
+
+def on_post_page(output: str, page, config) -> str:
+  """Warns (an error under `--strict`) for every problem on a page under api/.
+
+  Args:
+    output: the page's HTML.
+    page: the mkdocs page.
+    config: the mkdocs config (unused).
+
+  Returns:
+    `output`, unchanged.
+  """
+  if page.file.src_uri.startswith("api/"):
+    for problem in problems(output):
+      log.warning("%s: %s", page.file.src_uri, problem)
+  return output

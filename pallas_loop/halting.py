@@ -39,6 +39,7 @@ def row_rms(tree: Any) -> jax.Array:
     leaves together).
 
   Examples:
+    >>> import jax.numpy as jnp
     >>> from pallas_loop import halting
     >>> halting.row_rms(jnp.array([[3.0, 4.0], [0.0, 0.0]]))
     Array([3.535534, 0.      ], dtype=float32)
@@ -62,7 +63,7 @@ def relative_change(rtol: float, atol: float = 0.0) -> Criterion:
     A criterion for `iterate(..., halt=...)`.
 
   Examples:
-    >>> import pallas_loop
+    >>> import jax.numpy as jnp, pallas_loop
     >>> step = lambda w, h, x: 0.5 * h + x            # converges to 2x
     >>> h0, x = jnp.zeros((2, 3)), jnp.ones((2, 3))
     >>> halt = pallas_loop.halting.relative_change(1e-3)
@@ -99,7 +100,7 @@ def below(score: Callable[[Any, Any, Any, Any], jax.Array], threshold: float) ->
     A criterion for `iterate(..., halt=...)`.
 
   Examples:
-    >>> import jax, pallas_loop
+    >>> import jax, jax.numpy as jnp, pallas_loop
     >>> def kl(params, h_new, h, x):         # successive softmax outputs
     ...   p = jax.nn.log_softmax(h_new @ params)
     ...   q = jax.nn.log_softmax(h @ params)

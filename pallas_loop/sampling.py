@@ -180,6 +180,10 @@ class Split(NamedTuple):
   """A sampled total depth split for truncated backpropagation.
 
   Unpacks as `(total, grad)`; `no_grad = total - grad`.
+
+  Attributes:
+    total: int32 [batch], the steps per row (the `iters` of `iterate`).
+    grad: int32 [batch], `min(k, total)`: the last steps, run with gradient.
   """
 
   total: jax.Array  # int32 [batch]: steps per row, the `iters` of iterate

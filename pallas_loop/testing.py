@@ -102,7 +102,8 @@ class Comparison:
     shape: the leaf's shape.
     max_abs: largest |got - want| (0 where both are the same NaN/inf).
     max_rel: largest |got - want| / |want| over elements with want != 0.
-    rtol, atol: the tolerances applied (see `default_tolerance`).
+    rtol: the relative tolerance applied (see `default_tolerance`).
+    atol: the absolute tolerance applied.
     bad: the failing rows (leaves with a row axis) or element indices
       (parameter gradients), at most the first few; empty when it passed.
     n_bad: how many rows/elements fail in all.
@@ -245,7 +246,11 @@ def check_against_reference(
     seed: int = 0,
     **options: Any,
 ) -> ReferenceCheck:
-  """Runs `pallas_loop.iterate` and `reference.iterate` on your inputs and compares.
+  """Runs `pallas_loop.iterate` and the oracle on your inputs and compares.
+
+  The oracle (the repository's `reference/`, installed as
+  `pallas_loop._reference`) is a plain masked `lax.scan` over `max_iters`
+  steps, differentiated by ordinary JAX autodiff.
 
   Compares the final state and, with `grads=True`, the gradients w.r.t.
   `params`, `h0` and `x` (one `jax.vjp` with a random, seeded cotangent,
@@ -256,8 +261,8 @@ def check_against_reference(
 
   Options are split by who understands them: `implementation`, `interpret`,
   `block_rows`, `sort_rows` and `grad` go only to `iterate`; `tol`, `halt`,
-  `min_iters` (and any other keyword `reference.iterate` accepts, such as
-  `key`) go to both. Gradients are compared for the exact modes:
+  `min_iters` (and any other keyword the oracle accepts, such as `key`) go
+  to both. Gradients are compared for the exact modes:
   `grad="full"` (the default), `Full(...)`, and `Truncated(k)` (against the
   reference's `stop_gradient` truncation); `Implicit` and `Phantom`
   approximate the gradient on purpose and the reference has no counterpart,
@@ -480,7 +485,7 @@ def check_row_independence(
     atol: overrides their absolute tolerance.
 
   Returns:
-    None.
+    Nothing; it returns quietly when every check passes.
 
   Raises:
     AssertionError: a check failed; the message names the output leaf and

@@ -41,6 +41,7 @@ def default_candidates(batch: int) -> tuple[int, ...]:
   """Powers of two from 8 up to min(256, the batch rounded up to one).
 
   Examples:
+    >>> from pallas_loop.tuning import default_candidates
     >>> default_candidates(100)
     (8, 16, 32, 64, 128)
   """
@@ -63,6 +64,8 @@ def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int = 5,
     Seconds.
 
   Examples:
+    >>> import jax
+    >>> from pallas_loop.tuning import median_seconds
     >>> median_seconds(jax.jit(lambda a: a + 1), 1.0, repeats=3) > 0
     True
   """
@@ -108,6 +111,7 @@ def tune_block_rows(step: Callable[..., Any], params: Any, h0: Any, x: Any = Non
 
   Examples:
     >>> import jax.numpy as jnp
+    >>> from pallas_loop.tuning import tune_block_rows
     >>> step = lambda p, h, x: jnp.tanh(h @ p)
     >>> r = tune_block_rows(step, jnp.eye(8), jnp.ones((64, 8)), max_iters=4,
     ...                     iters=jnp.arange(64) % 5, candidates=(8, 16),

@@ -105,9 +105,10 @@ class Full(GradMode):
 
   Attributes:
     checkpoint_every: save the state every this many steps in the backward's
-      forward replay and recompute the steps in between. None: ceil(sqrt(
-      max_iters)), which minimises the states held (about 2 sqrt(max_iters)
-      per row). 1 keeps every state (the fastest, O(max_iters) memory).
+      forward replay and recompute the steps in between. None:
+      `ceil(sqrt(max_iters))`, which minimises the states held (about
+      `2 sqrt(max_iters)` per row). 1 keeps every state (the fastest,
+      O(max_iters) memory).
 
   Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop

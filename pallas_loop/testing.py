@@ -385,7 +385,8 @@ def poisoned_padding() -> Iterator[None]:
     >>> import jax.numpy as jnp, pallas_loop
     >>> with pallas_loop.testing.poisoned_padding():
     ...   h = pallas_loop.iterate(lambda p, h, x: h + 1, None, jnp.zeros((5, 2)),
-    ...                           max_iters=2, implementation="pallas", block_rows=8)
+    ...                           max_iters=2, implementation="pallas",
+    ...                           block_rows=8)
     >>> bool(jnp.all(h == 2))
     True
   """

@@ -209,7 +209,8 @@ class Implicit(GradMode):
     >>> step = lambda w, h, x: jnp.tanh(h @ w + x)
     >>> w, h0, x = 0.5 * jnp.eye(4), jnp.ones((3, 4)), jnp.zeros((3, 4))
     >>> loss = lambda w: pallas_loop.iterate(
-    ...     step, w, h0, x, max_iters=100, tol=1e-5, grad=pallas_loop.Implicit()).sum()
+    ...     step, w, h0, x, max_iters=100, tol=1e-5,
+    ...     grad=pallas_loop.Implicit()).sum()
     >>> jax.grad(loss)(w).shape
     (4, 4)
   """

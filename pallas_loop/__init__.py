@@ -12,6 +12,7 @@ from pallas_loop._version import __version__
 from pallas_loop._src.grad_modes import Full, Implicit, Phantom, Truncated
 from pallas_loop._src.info import IterateInfo
 from pallas_loop._src.iterate import iterate
+from pallas_loop import deq
 from pallas_loop import halting
 from pallas_loop import random
 from pallas_loop import sampling
@@ -19,4 +20,4 @@ from pallas_loop import testing
 from pallas_loop import tuning
 
 __all__ = ["Full", "Implicit", "IterateInfo", "Phantom", "Truncated", "__version__",
-           "halting", "iterate", "random", "sampling", "testing", "tuning"]
+           "deq", "halting", "iterate", "random", "sampling", "testing", "tuning"]

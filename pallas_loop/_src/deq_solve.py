@@ -1,0 +1,429 @@
+"""`pallas_loop.deq.fixed_point`: per-row solves with `iterate`, implicit gradients of the map.
+
+# B: rows  D: a row's state, flattened  m: a solver's window
+
+The forward is one `iterate` call whose state is (z, residual, solver state):
+each step evaluates the map f at z, records rms(f(z) - z) and moves z by the
+solver; a row halts (the `halt` machinery, per row) once that residual is at
+most its threshold, keeping f(z). `ImplicitAdjoint` wraps this in a
+`jax.custom_vjp` whose forward is not differentiated (no gradient through
+`iterate`, so the solver state may hold anything) and whose backward solves
+the adjoint fixed point u = g + u df/dz(z*) with another `iterate` call of
+the same kind (same solvers), then pulls u back through f only: the gradient
+of the map at its fixed point, whatever solver found it. `UnrolledAdjoint`
+instead backpropagates through the solver's steps (`iterate`'s "full" mode).
+Non-convergence is reported by the policy (`on_failure`) through
+`jax.debug.callback`, so it reaches the user under `jit` as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import jax
+from jax import tree_util
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_loop._src import deq_solvers
+from pallas_loop._src.iterate import iterate
+from pallas_loop.halting import row_rms
+
+POLICIES = ("warn", "raise", "nan", "ignore")
+
+
+class SolveInfo(NamedTuple):
+  """Per-row statistics of a forward or adjoint solve.
+
+  Attributes:
+    steps: int32 [B], map evaluations the row used (its solver steps).
+    residual: float32 [B], rms(f(z) - z) at the last z evaluated (for the
+      adjoint: of u - (g + u df/dz)). A converged row's output is f(z) at
+      that z.
+    converged: bool [B], whether the residual met its tolerance within
+      `max_steps`.
+  """
+
+  steps: jax.Array
+  residual: jax.Array
+  converged: jax.Array
+
+
+class NonConvergenceWarning(UserWarning):
+  """Rows of a `deq.fixed_point` solve (forward or adjoint) did not converge."""
+
+
+class NonConvergenceError(RuntimeError):
+  """Raised (`on_failure="raise"`) when rows of a solve did not converge.
+
+  Under `jit` it reaches the caller wrapped in a `jax.errors.JaxRuntimeError`
+  whose message contains this one (the check runs in a host callback).
+  """
+
+
+def _check_policy(name: str, value: Any) -> None:
+  if value not in POLICIES:
+    raise ValueError(f"{name}={value!r} must be one of {POLICIES}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImplicitAdjoint:
+  """The implicit-function gradient of the map at its fixed point (the default).
+
+  With z* = f(params, z*, x) and g the cotangent of z*, solves the adjoint
+  fixed point u = g + u df/dz(z*) per row with a solver (halting per row on
+  rms(residual) <= `tol` * rms(g) of the row: relative to the cotangent's
+  scale), then returns u df/d(params, x) at z*. The forward's solver never
+  enters: the gradient is that of f, whatever iteration found z*. Zero
+  gradient w.r.t. `h0`. Exact where the forward converged; at a row that did
+  not, the gradient is taken at its last iterate (an approximation: the
+  policy reports it).
+
+  Attributes:
+    solver: the adjoint's solver, or None (the default): the forward's.
+    tol: relative tolerance of the adjoint solve (> 0), or None: the
+      forward's `tol`.
+    max_steps: its step budget (int >= 1), or None: the forward's.
+    on_failure: policy for adjoint rows that did not converge ("warn",
+      "raise", "nan", "ignore"), or None: the forward's.
+    callback: None, or `callback(info: SolveInfo)` called on the host (via
+      `jax.debug.callback`, so under `jit` too) with the adjoint solve's
+      per-row statistics, as numpy arrays, each time the gradient is
+      computed.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from pallas_loop import deq
+    >>> f = lambda w, h, x: jnp.tanh(h @ w + x)
+    >>> w, h0, x = 0.5 * jnp.eye(3), jnp.zeros((2, 3)), jnp.ones((2, 3))
+    >>> seen = []
+    >>> adjoint = deq.ImplicitAdjoint(callback=lambda info: seen.append(info.steps))
+    >>> g = jax.grad(lambda w: deq.fixed_point(f, w, h0, x, adjoint=adjoint).sum())(w)
+    >>> g.shape, len(seen), seen[0].shape
+    ((3, 3), 1, (2,))
+  """
+
+  solver: deq_solvers.Solver | None = None
+  tol: float | None = None
+  max_steps: int | None = None
+  on_failure: str | None = None
+  callback: Callable[[SolveInfo], Any] | None = None
+
+  def __post_init__(self):
+    if self.tol is not None and not float(self.tol) > 0:
+      raise ValueError(f"ImplicitAdjoint({self.tol=}) must be > 0 or None.")
+    if self.max_steps is not None and (not isinstance(self.max_steps, int)
+                                       or self.max_steps < 1):
+      raise ValueError(f"ImplicitAdjoint({self.max_steps=}) must be an int >= 1 or None.")
+    if self.on_failure is not None:
+      _check_policy("ImplicitAdjoint(on_failure)", self.on_failure)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnrolledAdjoint:
+  """Backpropagation through every solver step (`iterate`'s "full" gradient).
+
+  The gradient of the computation the solver did (solver update included),
+  not of the map's fixed point: it tends to the implicit gradient as the
+  solve converges, costs a backward through every step (checkpointed), and
+  gives a gradient w.r.t. `h0`. For comparisons and for maps where the
+  implicit gradient is not wanted.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from pallas_loop import deq
+    >>> f = lambda w, h, x: jnp.tanh(h @ w + x)
+    >>> w, h0, x = 0.5 * jnp.eye(3), jnp.zeros((2, 3)), jnp.ones((2, 3))
+    >>> loss = lambda w, adjoint: deq.fixed_point(f, w, h0, x, tol=1e-6,
+    ...                                           adjoint=adjoint).sum()
+    >>> g_unrolled = jax.grad(loss)(w, deq.UnrolledAdjoint())
+    >>> g_implicit = jax.grad(loss)(w, deq.ImplicitAdjoint())
+    >>> bool(jnp.allclose(g_unrolled, g_implicit, atol=1e-4))
+    True
+  """
+
+
+class _Flat:
+  """Ravels a state pytree of [B, ...] leaves into [B, D] rows and back (any row count)."""
+
+  def __init__(self, h0: Any):
+    leaves, self.treedef = tree_util.tree_flatten(h0)
+    if not leaves:
+      raise ValueError("h0 must hold at least one array.")
+    for leaf in leaves:
+      if not jnp.issubdtype(leaf.dtype, jnp.floating):
+        raise TypeError(f"fixed_point needs a floating state; got a leaf of {leaf.dtype=}.")
+    self.tails = [leaf.shape[1:] for leaf in leaves]
+    self.dtypes = [leaf.dtype for leaf in leaves]
+    self.sizes = [math.prod(t) for t in self.tails]
+    self.dtype = jnp.result_type(*self.dtypes)
+    self.single = len(leaves) == 1 and len(self.tails[0]) == 1
+
+  def ravel(self, h: Any) -> jax.Array:
+    leaves = tree_util.tree_leaves(h)
+    if self.single:
+      return leaves[0].astype(self.dtype)
+    rows = leaves[0].shape[0]
+    return jnp.concatenate([a.reshape(rows, -1).astype(self.dtype) for a in leaves], axis=-1)
+
+  def unravel(self, z: jax.Array) -> Any:
+    if self.single:
+      return tree_util.tree_unflatten(self.treedef, [z.astype(self.dtypes[0])])
+    rows, out, start = z.shape[0], [], 0
+    for tail, size, dtype in zip(self.tails, self.sizes, self.dtypes):
+      out.append(z[:, start:start + size].reshape((rows,) + tail).astype(dtype))
+      start += size
+    return tree_util.tree_unflatten(self.treedef, out)
+
+
+class _Hoisted:
+  """`fn(params, z, x)` with the arrays it closes over as explicit operands, at any row count.
+
+  The captured arrays (tracers of an enclosing trace, e.g. a `jax.grad` over
+  a closed-over weight, or concrete arrays) are found by tracing `fn` once at
+  the batch shape; each later call retraces it at the shape at hand (a tile
+  of rows) and substitutes the operands it is given for them, by identity.
+  Inside a `custom_vjp` and a kernel nothing may be captured from outside;
+  this is how the map's closed-over arrays get their gradients.
+  """
+
+  def __init__(self, fn: Callable[..., Any], params: Any, z: Any, x: Any):
+    self.fn = fn
+    self.consts = tuple(jax.make_jaxpr(fn)(*_avals((params, z, x))).consts)
+
+  def __call__(self, consts: Any, params: Any, z: Any, x: Any) -> Any:
+    closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*_avals((params, z, x)))
+    by_id = {id(c): i for i, c in enumerate(self.consts)}
+    values = []
+    for c in closed.consts:
+      if id(c) in by_id:
+        values.append(consts[by_id[id(c)]])
+      elif isinstance(c, jax.core.Tracer):
+        raise ValueError("f closes over a traced array that it did not capture when traced at "
+                         "the batch shape; pass such arrays through `params`.")
+      else:
+        values.append(c)
+    out = jax.core.eval_jaxpr(closed.jaxpr, values, *tree_util.tree_leaves((params, z, x)))
+    return tree_util.tree_unflatten(tree_util.tree_structure(out_shape), out)
+
+
+def _avals(tree: Any) -> Any:
+  return tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tree)
+
+
+def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0: jax.Array,
+               per_row: Any, threshold: jax.Array, solver: deq_solvers.Solver, max_steps: int,
+               run_kw: dict[str, Any], grad: Any = "full") -> tuple[jax.Array, SolveInfo]:
+  """Solves z = fmap(shared, z, per_row) per row with `iterate`.
+
+  Args:
+    fmap: the map on a tile: (shared, z [R, D], per_row [R, ...]) -> [R, D].
+    shared: pytree shared by every row (iterate's params).
+    z0: [B, D] initial iterates.
+    per_row: pytree of [B, ...] arrays, constant across steps.
+    threshold: float32 [B]: a row halts once rms(f(z) - z) <= its threshold.
+    solver: the `Solver`.
+    max_steps: static int >= 1, the step budget of every row.
+    run_kw: iterate's implementation options.
+    grad: iterate's gradient mode (only used by `UnrolledAdjoint`).
+
+  Returns:
+    (z*, SolveInfo): f(z) at the halting z for converged rows, the solver's
+    last iterate for the others.
+  """
+
+  def step(shared, state, xs):
+    z, _, solver_state = state
+    per_row, threshold = xs
+    fz = fmap(shared, z, per_row)
+    residual = row_rms(jax.lax.stop_gradient(fz - z))
+    z_next, solver_state = solver.update(solver_state, z, fz)
+    done = residual <= threshold
+    return jnp.where(done[:, None], fz, z_next), residual, solver_state
+
+  def halt(shared, new, old, xs):
+    return new[1] <= xs[1]
+
+  state0 = (z0, jnp.full(z0.shape[:1], jnp.inf, jnp.float32), solver.init(z0))
+  (z, residual, _), info = iterate(step, shared, state0, (per_row, threshold),
+                                   max_iters=max_steps, halt=halt, grad=grad,
+                                   return_info=True, **run_kw)
+  return z, SolveInfo(info.steps, jax.lax.stop_gradient(residual), info.halted)
+
+
+def _report(which: str, policy: str, tol: Any, max_steps: int, info: SolveInfo) -> None:
+  """Reports non-converged rows by `policy`, from a host callback (works under jit)."""
+  if policy in ("ignore", "nan"):
+    return
+
+  def on_host(steps, residual, converged):
+    bad = ~np.asarray(converged)
+    if not bad.any():
+      return
+    worst = float(np.max(np.asarray(residual)[bad]))
+    message = (f"pallas_loop.deq.fixed_point: {int(bad.sum())} of {bad.size} rows did not "
+               f"converge in the {which} solve (max_steps={max_steps}, tol={tol}; largest "
+               f"residual {worst:.3g}). Raise max_steps, use solver=deq.Anderson(...), or "
+               f"choose on_failure='raise'/'nan'/'ignore'.")
+    if policy == "raise":
+      raise NonConvergenceError(message)
+    warnings.warn(message, NonConvergenceWarning, stacklevel=2)
+
+  jax.debug.callback(on_host, info.steps, info.residual, info.converged)
+
+
+def _nan_rows(converged: jax.Array, z: jax.Array) -> jax.Array:
+  return jnp.where(converged[:, None], z, jnp.full_like(z, jnp.nan))
+
+
+def fixed_point(
+    f: Callable[..., Any],
+    params: Any,
+    h0: Any,
+    x: Any = None,
+    *,
+    solver: deq_solvers.Solver | None = None,
+    tol: float = 1e-5,
+    max_steps: int = 50,
+    adjoint: ImplicitAdjoint | UnrolledAdjoint | None = None,
+    on_failure: str = "warn",
+    return_info: bool = False,
+    implementation: str | None = None,
+    interpret: Any = None,
+    block_rows: int | None = None,
+    sort_rows: bool = True,
+) -> Any:
+  """Solves h = f(params, h, x) for each row, differentiably (a DEQ layer).
+
+  Each row runs `solver` on the map until rms(f(h) - h) <= `tol` (then keeps
+  f(h)) or `max_steps` map evaluations, and stops costing compute when it
+  halts (one `iterate` call: the XLA loop, or the Pallas kernel with
+  `implementation="pallas"`). The gradient is chosen by `adjoint`; by
+  default the implicit gradient of f at the fixed point, whatever solver
+  found it. Rows that do not converge are reported by `on_failure`.
+
+  Args:
+    f: the map `f(params, h, x) -> h`, written for a tile of rows like
+      `iterate`'s step (every leaf of `h`, `x` has a leading row axis; rows
+      independent). Arrays it closes over are differentiated like `params`.
+    params: pytree shared by every row (may be None); differentiable.
+    h0: pytree of float arrays [B, ...], the initial guess. Its gradient is
+      zero under `ImplicitAdjoint`.
+    x: pytree of arrays [B, ...] constant across steps, or None;
+      differentiable.
+    solver: a `Solver` (`deq.Anderson()`, the default, `deq.Damped(beta)`,
+      or your own subclass).
+    tol: absolute tolerance on rms(f(h) - h) per row (a float, or a float
+      scalar array).
+    max_steps: static int >= 1, the map evaluations allowed per row.
+    adjoint: `ImplicitAdjoint(...)` (None: the default one) or
+      `UnrolledAdjoint()`.
+    on_failure: what happens when rows did not converge (forward solve, and
+      the adjoint's unless it says otherwise): "warn" (the default: a
+      `NonConvergenceWarning` from a host callback, so eagerly and under
+      `jit`), "raise" (`NonConvergenceError`; under `jit` wrapped in a
+      `JaxRuntimeError`), "nan" (those rows of the output, and of the
+      adjoint, become NaN) or "ignore".
+    return_info: also return the forward's `SolveInfo`.
+    implementation: `iterate`'s: None (auto), "xla" or "pallas".
+    interpret: `iterate`'s Pallas interpret option.
+    block_rows: `iterate`'s rows per kernel tile.
+    sort_rows: `iterate`'s row ordering.
+
+  Returns:
+    h* with the structure, shapes and dtypes of `h0`; with
+    `return_info=True`, `(h*, SolveInfo(steps, residual, converged))`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from pallas_loop import deq
+    >>> f = lambda w, h, x: jnp.tanh(h @ w + x)
+    >>> w, x = 0.5 * jnp.eye(2), jnp.ones((3, 2))
+    >>> h, info = deq.fixed_point(f, w, jnp.zeros((3, 2)), x, return_info=True)
+    >>> bool(jnp.all(info.converged)), bool(jnp.allclose(f(w, h, x), h, atol=1e-4))
+    (True, True)
+  """
+  solver = deq_solvers.Anderson() if solver is None else solver
+  adjoint = ImplicitAdjoint() if adjoint is None else adjoint
+  _check_policy("on_failure", on_failure)
+  if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+    raise ValueError(f"{max_steps=} must be a Python int >= 1.")
+  if not isinstance(adjoint, (ImplicitAdjoint, UnrolledAdjoint)):
+    raise TypeError(f"{adjoint=} must be deq.ImplicitAdjoint(...) or deq.UnrolledAdjoint().")
+  flat = _Flat(h0)
+  z0 = flat.ravel(h0)
+  batch = z0.shape[0]
+  run_kw = dict(implementation=implementation, interpret=interpret, block_rows=block_rows,
+                sort_rows=sort_rows)
+
+  def map_rows(p, z, xx):
+    return flat.ravel(f(p, flat.unravel(z), xx))
+
+  # Arrays f closes over become explicit (differentiated) operands.
+  hoisted = _Hoisted(map_rows, params, z0, x)
+  consts = hoisted.consts
+
+  def fmap(shared, z, xx):
+    p, c = shared
+    return hoisted(c, p, z, xx)
+
+  threshold = jnp.broadcast_to(jnp.asarray(tol, jnp.float32), (batch,))
+  shared = (params, tuple(consts))
+  if isinstance(adjoint, UnrolledAdjoint):
+    z, info = solve_rows(fmap, shared, z0, x, threshold, solver, max_steps, run_kw, grad="full")
+  else:
+    z, info = _implicit(fmap, solver, max_steps, run_kw, tol, on_failure, adjoint)(
+        shared, z0, x, threshold)
+  _report("forward", on_failure, tol if not isinstance(tol, jax.core.Tracer) else "traced",
+          max_steps, info)
+  if on_failure == "nan":
+    z = _nan_rows(info.converged, z)
+  h = flat.unravel(z)
+  return (h, info) if return_info else h
+
+
+def _implicit(fmap, solver, max_steps, run_kw, tol, on_failure, adjoint: ImplicitAdjoint):
+  """The forward solve as a custom_vjp whose backward is the adjoint solve."""
+  adj_solver = solver if adjoint.solver is None else adjoint.solver
+  adj_tol = tol if adjoint.tol is None else adjoint.tol
+  adj_steps = max_steps if adjoint.max_steps is None else adjoint.max_steps
+  adj_policy = on_failure if adjoint.on_failure is None else adjoint.on_failure
+
+  @jax.custom_vjp
+  def run(shared, z0, x, threshold):
+    return solve_rows(fmap, shared, z0, x, threshold, solver, max_steps, run_kw)
+
+  def run_fwd(shared, z0, x, threshold):
+    z, info = solve_rows(fmap, shared, z0, x, threshold, solver, max_steps, run_kw)
+    return (z, info), (shared, x, z, threshold)
+
+  def run_bwd(saved, cotangents):
+    shared, x, z_star, threshold = saved
+    g = cotangents[0]
+
+    def adjoint_map(shared, u, per_row):
+      zs, xx, gg = per_row
+      _, vjp = jax.vjp(lambda z: fmap(shared, z, xx), zs)
+      return gg + vjp(u)[0]
+
+    # Relative to the row's cotangent; the forward's tol (maybe traced) travels
+    # in `threshold`, never closed over (a custom_vjp rule must not capture).
+    rel = threshold if adjoint.tol is None else jnp.full_like(threshold, adjoint.tol)
+    adj_threshold = rel * row_rms(g)
+    u, info = solve_rows(adjoint_map, shared, g, (z_star, x, g), adj_threshold, adj_solver,
+                         adj_steps, run_kw)
+    if adjoint.callback is not None:
+      jax.debug.callback(lambda *a: adjoint.callback(SolveInfo(*a)), *info)
+    _report("adjoint", adj_policy, adj_tol if not isinstance(adj_tol, jax.core.Tracer)
+            else "traced", adj_steps, info)
+    if adj_policy == "nan":
+      u = _nan_rows(info.converged, u)
+    _, vjp = jax.vjp(lambda s, xx: fmap(s, z_star, xx), shared, x)
+    g_shared, g_x = vjp(u)
+    return g_shared, jnp.zeros_like(z_star), g_x, jnp.zeros_like(threshold)
+
+  run.defvjp(run_fwd, run_bwd)
+  return run

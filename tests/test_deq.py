@@ -298,3 +298,18 @@ def test_pallas_matches_xla_forward_and_gradient():
   np.testing.assert_allclose(h_p, h_x, atol=1e-6)
   for a, b in zip(jax.tree.leaves(g_p), jax.tree.leaves(g_x)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_example_trains_a_non_contractive_deq(capsys):
+  """examples/deq_training.py --quick: W of spectral radius 1.2, Anderson, both gradients."""
+  pytest.importorskip("optax", reason='needs the examples extra: pip install -e ".[examples]"')
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).parent.parent / "examples" / "deq_training.py"
+  spec = importlib.util.spec_from_file_location("deq_training", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  assert module.main(["--quick"]) == 0
+  out = capsys.readouterr().out
+  assert "spectral radius of W at init: 1.20" in out and "OK" in out
+  assert "implicit: loss" in out and "unrolled: loss" in out

@@ -8,8 +8,9 @@ which `--strict` alone lets through. On the pages under api/ this hook warns
   blockquote (Markdown reads a bare `>>>` as three nested quotes). Google
   style's section is `Examples:`; `Example:` is not one and renders its
   body as text.
-* a section griffe did not recognise became an admonition (`Example:`,
-  `Note:`-like titles it does not know render as a collapsible box).
+* a misnamed section became an admonition: griffe renders a title it does
+  not know (`Example:`, `Usage:`, `Return:`, `Arg:`) as a collapsible box, as
+  it does on purpose for `Note:` or `Warning:` (those are left alone).
 * emphasis appears: the docstrings are read in `help()` too and use no
   Markdown emphasis, so `<em>`/`<strong>` means a `*` (e.g. `h*`, `2**k`)
   outside backticks paired with another one.
@@ -24,6 +25,9 @@ log = logging.getLogger("mkdocs.plugins.api_render_check")
 
 _PRE = re.compile(r"<pre\b.*?</pre>", re.S)
 _ADMONITION = re.compile(r'<details class="(\w+)"[^>]*>\s*<summary>([^<]*)</summary>')
+# Titles meant as a section that griffe does not know under that name.
+_MISNAMED = re.compile(r"^(example|usage|return|arg|argument|param|parameter|raise|yield)s?$",
+                       re.IGNORECASE)
 _EMPHASIS = re.compile(r"<(em|strong)>(.*?)</\1>", re.S)
 
 
@@ -46,6 +50,10 @@ def problems(html: str) -> list[str]:
     []
     >>> problems("<blockquote><p>1 + 1</p></blockquote>")[0][:30]
     'a docstring example rendered a'
+    >>> problems('<details class="note" open><summary>Note</summary></details>')
+    []
+    >>> problems('<details class="example"><summary>Example</summary></details>')[0][:17]
+    "section 'Example'"
   """
   found = []
   if "<blockquote" in html:
@@ -55,8 +63,11 @@ def problems(html: str) -> list[str]:
   for m in re.finditer(r"&gt;&gt;&gt;", outside):
     found.append(f"'>>>' outside a code block: {_text(outside[m.start():m.start() + 200])!r}")
   for m in _ADMONITION.finditer(html):
+    if not _MISNAMED.match(m.group(2).strip()):
+      continue
     found.append(f"section {m.group(2).strip()!r} is not a Google-style section griffe "
-                 f"knows (rendered as a '{m.group(1)}' box); 'Examples:' for examples")
+                 f"knows (rendered as a '{m.group(1)}' box): use Examples:, Args:, "
+                 f"Returns:, Raises: or Yields:")
   for m in _EMPHASIS.finditer(html):
     found.append(f"<{m.group(1)}> around {_text(m.group(2))!r}: put expressions with '*' "
                  f"in backticks")

@@ -21,6 +21,7 @@ from pallas_loop._src import grad_modes
 from pallas_loop._src import info as info_lib
 from pallas_loop._src import loop_reverse
 from pallas_loop import random as random_lib
+from pallas_loop._src import row_checks
 from pallas_loop._src import sharding
 from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src import validation
@@ -143,7 +144,13 @@ def iterate(
   if per_example:
     step = step_fn_lib.vmapped(step, keyed=key is not None)
   body = step_fn_lib.with_halt(step, halt, keys)
-  consts, (h_shape, flag_shape) = step_fn_lib.trace_step(body, params, h0, x)
+  try:
+    consts, (h_shape, flag_shape) = step_fn_lib.trace_step(body, params, h0, x)
+  except (TypeError, ValueError, IndexError) as e:  # say what to do, where we can
+    clearer = row_checks.explain_trace_error(e, h0, keyed=key is not None)
+    if clearer is None:
+      raise
+    raise clearer from e
   step_fn_lib.check_step_output(h_shape, h0)
   step_fn_lib.check_halt_output(flag_shape, batch)
   fn = step_fn_lib.StepFn(body, tuple(consts))

@@ -20,6 +20,7 @@ from jax import tree_util
 import numpy as np
 
 from pallas_loop._src import jaxpr_eval
+from pallas_loop._src import row_checks
 
 
 def avals(tree: Any, rows: int | None = None) -> Any:
@@ -102,6 +103,7 @@ def trace_step(step: Callable, params, h0, x):
   """
   closed, out_shape = jax.make_jaxpr(step, return_shape=True)(
       avals(params), avals(h0), avals(x), *row_index_avals(h0))
+  row_checks.check_step_jaxpr(closed, params, h0, x)  # rows stay rows
   return list(closed.consts), out_shape
 
 

@@ -53,6 +53,20 @@ def check_max_iters(max_iters: Any) -> int:
                     "(e.g. max_iters=64), not an array.") from None
 
 
+def _python_number(name: str, tree: Any, path: Any, leaf: Any) -> None:
+  """Raises for a Python number in h0/x: most often a list meant as an array."""
+  where = f"{name}{tree_util.keystr(path)}"
+  if path:
+    kind = type(tree).__name__ if isinstance(tree, (list, tuple)) else "pytree"
+    raise TypeError(
+        f"{name} is a Python {kind} of numbers ({where} = {leaf!r}): pass an array, "
+        f"{name}=jnp.asarray({name}), with the rows on axis 0. A {kind} is a pytree, so "
+        f"each number would be a state leaf of its own without a row axis.")
+  raise TypeError(
+      f"{name} is the Python {type(leaf).__name__} {leaf!r}: pass an array with a "
+      f"leading row axis, e.g. {name}=jnp.full((rows,), {leaf!r}).")
+
+
 def batch_size(h0: Any, x: Any) -> int:
   """The shared row count B of every leaf of h0 and x, or a clear error."""
   h_leaves = tree_util.tree_flatten_with_path(h0)[0]
@@ -65,6 +79,8 @@ def batch_size(h0: Any, x: Any) -> int:
       if not hasattr(leaf, "shape") and not isinstance(leaf, (int, float, complex, bool)):
         raise TypeError(f"{name}{tree_util.keystr(path)} is a "
                         f"{type(leaf).__name__}, not an array.")
+      if isinstance(leaf, (int, float, complex, bool)) and not isinstance(leaf, np.generic):
+        _python_number(name, tree, path, leaf)
       shape = _shape(leaf)
       if not shape:
         raise ValueError(

@@ -66,7 +66,9 @@ def test_bucket_ladder():
   assert xla_forward.bucket_sizes(0) == ()
   assert xla_forward.bucket_sizes(1) == (1,)
   assert xla_forward.bucket_sizes(7) == (7,)
-  assert xla_forward.bucket_sizes(64) == (64, 48, 32, 16)
+  # Up to ONE_STAGE_ROWS rows: one stage; above, the ladder.
+  assert xla_forward.bucket_sizes(xla_forward.ONE_STAGE_ROWS) == (xla_forward.ONE_STAGE_ROWS,)
+  assert xla_forward.bucket_sizes(128) == (128, 96, 64, 32, 16)
   assert xla_forward.bucket_sizes(1024) == (1024, 768, 512, 256, 128, 64, 32, 16)
   for b in (1, 9, 100, 300, 1024, 4096, 1000):
     sizes = xla_forward.bucket_sizes(b)

@@ -56,6 +56,12 @@ from pallas_loop._src.operands import LoopOperands, LoopOutputs
 LINEAR_STEPS = 4
 MIN_ROWS = 16
 ALIGN = 8
+# A batch of at most this many rows runs as one stage: there the per-step
+# overhead outweighs the rows a ladder would skip, and every stage is one
+# more loop to compile (a small DEQ's jit(value_and_grad) compiled in half
+# the time, and ran no slower; RESULTS.md, "Figures behind the code's
+# choices").
+ONE_STAGE_ROWS = 64
 
 
 def _round_up(n: int, m: int) -> int:
@@ -68,7 +74,8 @@ def bucket_sizes(batch: int) -> tuple[int, ...]:
   Multiples of a granularity g = B/4 (rounded up to a multiple of 8 rows,
   at least 16), then g/2, g/4, ... down to 16 rows. So a step on `a`
   running rows computes at most g extra rows when a >= g, fewer than `a`
-  extra below that, and at most 16 rows when a <= 16.
+  extra below that, and at most 16 rows when a <= 16. A batch of at most
+  `ONE_STAGE_ROWS` rows is one stage.
 
   Args:
     batch: B, the number of rows (>= 0).
@@ -79,9 +86,13 @@ def bucket_sizes(batch: int) -> tuple[int, ...]:
   Example:
     >>> bucket_sizes(1024)
     (1024, 768, 512, 256, 128, 64, 32, 16)
+    >>> bucket_sizes(64)
+    (64,)
   """
   if batch <= 0:
     return ()
+  if batch <= ONE_STAGE_ROWS:
+    return (batch,)
   g = max(MIN_ROWS, _round_up(-(-batch // LINEAR_STEPS), ALIGN))
   sizes = {min(batch, k * g) for k in range(1, -(-batch // g) + 1)}
   small = g // 2
@@ -128,8 +139,11 @@ def _count(flags: jax.Array) -> jax.Array:
   return jnp.sum(flags.astype(jnp.int32))
 
 
-def _runs_more_than(s: _Rows, t, until: int, halting) -> jax.Array:
-  """bool scalar: more than `until` rows of `s` run at trip t."""
+def _runs_more_than(s: _Rows, t, until: int, halting, ordered: bool = True) -> jax.Array:
+  """bool scalar: more than `until` rows of `s` run at trip t (`ordered`:
+  the rows are in descending order of count)."""
+  if halting is None and not ordered:
+    return jnp.max(s.counts, initial=0) > t
   if halting is None:
     # Rows ordered by descending count, and row r runs at trip t iff
     # t < count[r]: more than `until` rows run iff the (until+1)-th largest
@@ -146,8 +160,9 @@ def _compact(s: _Rows, t) -> _Rows:
 
 
 def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: int,
-               residual: bool):
-  """Steps the rows of `s` while more than `until` of them are running.
+               residual: bool, ordered: bool):
+  """Steps the rows of `s` while more than `until` of them are running
+  (`ordered`: the rows are in descending order of count).
 
   Returns:
     (t, s): the trip counter after the stage and the stage's rows.
@@ -163,7 +178,8 @@ def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: in
     s = loop_lib.apply_update(s, running, t, h_new, flag, halting, elems_per_row, residual)
     return t + 1, s
 
-  t, s = lax.while_loop(lambda c: _runs_more_than(c[1], c[0], until, halting), step, (t, s))
+  t, s = lax.while_loop(lambda c: _runs_more_than(c[1], c[0], until, halting, ordered), step,
+                        (t, s))
   if halting is not None and until > 0:
     # Halted rows may sit anywhere in the stage: bring the running ones (at
     # most `until` of them) to the front for the next, smaller stage. Without
@@ -215,7 +231,7 @@ def forward(body: Callable[..., Any], ops: LoopOperands, residual: bool = True) 
 
       def stage(t, s, size=size, until=until):
         t, sub = _run_stage(body, ops.params, _prefix(s, size), t, until, halting, elems,
-                            residual)
+                            residual, ordered=len(sizes) > 1)
         if halting is None:
           # Only the state and its statistics changed (no compaction): writing
           # back x and the row bookkeeping too would copy them for nothing.
@@ -224,6 +240,9 @@ def forward(body: Callable[..., Any], ops: LoopOperands, residual: bool = True) 
                                              {f: getattr(sub, f) for f in changed}))
         return t, _put_prefix(s, sub)
 
+      if len(sizes) == 1:  # one stage: its loop's condition is the only test
+        t, s = stage(t, s)
+        continue
       # A stage with nothing to do (its rows finished in a larger bucket, or
       # the counts jump past it) is skipped whole: its slices and the work XLA
       # hoists out of its loop (e.g. x @ U of an RNN cell) then cost nothing.
@@ -236,7 +255,8 @@ def forward(body: Callable[..., Any], ops: LoopOperands, residual: bool = True) 
     return out, None
 
   # Without halting the running rows are a prefix of rows ordered by count.
+  # One stage runs every row to the end whatever their order: no sort.
   (h, residual_out, steps, halted), _ = tiling.in_tiles(
-      on_sorted_rows, (ops.h0, ops.x, ops.row_ids), ops.counts, rows=batch, sort=True,
-      must_be_finite=False)
+      on_sorted_rows, (ops.h0, ops.x, ops.row_ids), ops.counts, rows=batch,
+      sort=len(sizes) > 1, must_be_finite=False)
   return LoopOutputs(h, residual_out, steps, halted > 0)

@@ -313,3 +313,20 @@ def test_example_trains_a_non_contractive_deq(capsys):
   out = capsys.readouterr().out
   assert "spectral radius of W at init: 1.20" in out and "OK" in out
   assert "implicit: loss" in out and "unrolled: loss" in out
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_anderson_forward_and_adjoint_lower_to_kernels(platform):
+  """Exported (not compiled) for an H200 / a TPU v5e: the forward and the adjoint
+  solve are both Pallas kernels, not an XLA fallback."""
+  from tests import lowering
+  params = (0.5 * jnp.eye(32), jnp.eye(32))
+  h0, x = jnp.zeros((64, 32)), jnp.ones((64, 32))
+
+  def grad(p, h0, x):
+    return jax.grad(lambda p: jnp.sum(deq.fixed_point(
+        _layer, p, h0, x, solver=deq.Anderson(m=5), tol=1e-5, max_steps=50,
+        implementation="pallas", interpret=False, on_failure="ignore")))(p)
+
+  text = lowering.export_text(grad, params, h0, x, platform=platform)
+  assert text.count(lowering.TARGETS[platform][2]) == 2

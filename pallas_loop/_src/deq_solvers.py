@@ -202,7 +202,9 @@ class Anderson(Solver):
     mixed = sum((alpha[i][:, None] * (zs[i] + self.beta * gs[i]) for i in range(1, m)),
                 alpha[0][:, None] * (zs[0] + self.beta * gs[0]))
     damped = z + self.beta * (fz - z)
-    ok = jnp.all(jnp.isfinite(mixed), axis=-1) & jnp.isfinite(total) & (total != 0)
+    # A non-finite element makes the row's sum non-finite (a float sum, not
+    # jnp.all: Triton has no reduce_and).
+    ok = jnp.isfinite(jnp.sum(mixed, axis=-1)) & jnp.isfinite(total) & (total != 0)
     return jnp.where(ok[:, None], mixed, damped), (zs, fs, filled)
 
 

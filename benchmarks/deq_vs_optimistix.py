@@ -1,0 +1,160 @@
+"""The same DEQ solved by `pallas_loop.deq` and by `optimistix`, timed in one run.
+
+    pip install -e ".[deq-bench]"     # optimistix: a benchmark extra only
+    python -m benchmarks.deq_vs_optimistix [--rows 256] [--dim 32] [--max-steps 100] [--repeats 20]
+
+The DEQ layer of `examples/deq_training.py` (h = tanh(h W + x U + b), W of
+spectral radius 1.2: not a contraction) for a batch of rows, each row its own
+fixed-point problem:
+
+  deq.Anderson      pallas_loop.deq.fixed_point, Anderson(m=5), XLA loop,
+                    ImplicitAdjoint (Anderson adjoint), each row halting on
+                    rms(f(h) - h) <= tol
+  optx.Newton       jax.vmap over rows of optimistix.fixed_point with Newton
+                    and ImplicitAdjoint (the while loop under vmap runs until
+                    the slowest row is done)
+  optx.FixedPoint   the same with optimistix.FixedPointIteration (plain
+                    iteration: the map is not a contraction)
+
+Printed per solver: forward and forward+backward (jax.grad of a weighted sum of
+h*) median times and their ratio to optx.Newton, map evaluations or solver
+steps per row (min/median/max), rows converged, the largest rms(f(h) - h), and
+the relative difference of the gradient w.r.t. (W, U, b) from optx.Newton's.
+The optimistix solvers stop on their own criterion (|dh| <= atol + rtol |h|
+in the max norm, set here to atol = tol), at least as strict as the rms one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_loop import deq
+
+DX = 16
+
+
+def layer(params, h, x):
+  """f(params, h, x) = tanh(h W + x U + b) on rows of h: [R, D], x: [R, DX]."""
+  return jnp.tanh(h @ params["w"] + x @ params["u"] + params["b"])
+
+
+def make_problem(rows: int, dim: int = 32, radius: float = 1.2, seed: int = 0):
+  """Parameters with W of spectral radius `radius`, inputs and an output weighting.
+
+  Example:
+    >>> params, x, g = make_problem(4, dim=32)
+    >>> params["w"].shape, x.shape, g.shape
+    ((32, 32), (4, 16), (4, 32))
+  """
+  k = jax.random.split(jax.random.key(seed), 4)
+  w = np.asarray(jax.random.normal(k[0], (dim, dim))) / np.sqrt(dim)
+  w = w * (radius / np.max(np.abs(np.linalg.eigvals(w))))
+  params = {"w": jnp.asarray(w, jnp.float32),
+            "u": jax.random.normal(k[1], (DX, dim)) / np.sqrt(DX),
+            "b": jnp.zeros((dim,))}
+  x = 0.3 * jax.random.normal(k[2], (rows, DX))
+  g = jax.random.normal(k[3], (rows, dim))
+  return params, x, g
+
+
+def ours(tol: float, max_steps: int):
+  """Forward (h*, steps per row, converged) with pallas_loop.deq."""
+
+  def solve(params, x):
+    h0 = jnp.zeros((x.shape[0], params["w"].shape[0]))
+    h, info = deq.fixed_point(layer, params, h0, x,
+                              solver=deq.Anderson(m=5), tol=tol, max_steps=max_steps,
+                              on_failure="ignore", return_info=True, implementation="xla")
+    return h, info.steps, info.converged
+
+  return solve
+
+
+def optimistix_solver(name: str, tol: float, max_steps: int):
+  """Forward (h*, steps per row, converged) with optimistix, vmapped over rows."""
+  import optimistix as optx  # pylint: disable=g-import-not-at-top
+
+  solver = (optx.Newton(rtol=1e-8, atol=tol) if name == "optx.Newton"
+            else optx.FixedPointIteration(rtol=1e-8, atol=tol))
+
+  def solve_row(params, x_row):
+    fn = lambda h, args: layer(args[0], h[None], args[1][None])[0]
+    h0 = jnp.zeros(params["w"].shape[:1])
+    sol = optx.fixed_point(fn, solver, h0, (params, x_row), max_steps=max_steps,
+                           adjoint=optx.ImplicitAdjoint(), throw=False)
+    return sol.value, sol.stats["num_steps"], sol.result == optx.RESULTS.successful
+
+  return jax.vmap(solve_row, in_axes=(None, 0))
+
+
+def _median_time(fn, *args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def run(rows: int = 256, dim: int = 32, repeats: int = 20, tol: float = 1e-5,
+        max_steps: int = 100) -> list[dict]:
+  """Times every solver on the same problem; returns one dict per solver."""
+  params, x, g = make_problem(rows, dim)
+  solvers = {"deq.Anderson": ours(tol, max_steps),
+             "optx.Newton": optimistix_solver("optx.Newton", tol, max_steps),
+             "optx.FixedPoint": optimistix_solver("optx.FixedPoint", tol, max_steps)}
+  results = []
+  for name, solve in solvers.items():
+    forward = jax.jit(solve)
+    grad = jax.jit(jax.grad(lambda p, xx, s=solve: jnp.sum(g * s(p, xx)[0])))
+    h, steps, converged = forward(params, x)
+    residual = np.sqrt(np.mean(np.square(np.asarray(layer(params, h, x) - h)), axis=-1))
+    results.append(dict(
+        name=name, forward_s=_median_time(forward, params, x, repeats=repeats),
+        grad_s=_median_time(grad, params, x, repeats=repeats), steps=np.asarray(steps),
+        converged=int(np.sum(converged)), residual=float(residual.max()),
+        grad=grad(params, x)))
+  return results
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rows", type=int, default=256)
+  parser.add_argument("--dim", type=int, default=32, help="state size D per row")
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--max-steps", type=int, default=100, help="budget of every solver")
+  args = parser.parse_args(argv)
+  try:
+    import optimistix  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    print('needs optimistix: pip install -e ".[deq-bench]"')
+    return 1
+  results = run(args.rows, args.dim, args.repeats, max_steps=args.max_steps)
+  base = next(r for r in results if r["name"] == "optx.Newton")
+  print(f"DEQ tanh(hW + xU + b), D={args.dim}, rows={args.rows}, W spectral radius 1.2, "
+        f"tol 1e-5, max_steps {args.max_steps}; "
+        f"{jax.devices()[0].device_kind}, JAX {jax.__version__}, medians of {args.repeats}")
+  print(f"{'solver':16s} {'fwd ms':>8s} {'x Newton':>8s} {'fwd+bwd ms':>10s} {'x Newton':>8s} "
+        f"{'steps min/med/max':>17s} {'converged':>9s} {'max rms(f-h)':>12s} {'grad vs Newton':>14s}")
+  for r in results:
+    diff = max(float(jnp.linalg.norm(r["grad"][k] - base["grad"][k])
+                     / jnp.linalg.norm(base["grad"][k])) for k in base["grad"])
+    s = r["steps"]
+    print(f"{r['name']:16s} {1e3 * r['forward_s']:8.2f} {base['forward_s'] / r['forward_s']:8.2f} "
+          f"{1e3 * r['grad_s']:10.2f} {base['grad_s'] / r['grad_s']:8.2f} "
+          f"{f'{s.min()}/{int(np.median(s))}/{s.max()}':>17s} "
+          f"{r['converged']:>5d}/{len(s):<3d} {r['residual']:12.2e} {diff:14.1e}")
+  print("x Newton: optx.Newton's time / this solver's (> 1: faster than optx.Newton).")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -128,11 +128,17 @@ def test_detects_gradient_difference(monkeypatch):
 
 
 def test_detects_a_block_that_mixes_rows_in_the_kernel():
-  """A batch-mean block: right in the reference (whole batch), wrong on tiles."""
+  """A batch-mean block is rejected when iterate traces it (row_checks.py);
+  a mixing that check cannot see (rows scattered to reversed positions) is
+  right in the reference (whole batch), wrong on tiles, and caught here."""
   step, params, h0, x = _problem("tanh_rnn")
   mixing = lambda p, h, x_: step(p, h - jnp.mean(h, axis=0), x_)
-  with pytest.raises(AssertionError, match=r"output h \(float32\[11, 8\]\): \d+ of 11 rows differ"):
+  with pytest.raises(ValueError, match=r"^step reduces over the row axis"):
     testing.check_against_reference(mixing, params, h0, x, iters=COUNTS,
+                                    max_iters=MAX_ITERS, block_rows=8)
+  hidden = lambda p, h, x_: step(p, jnp.zeros_like(h).at[jnp.arange(h.shape[0])[::-1]].set(h), x_)
+  with pytest.raises(AssertionError, match=r"output h \(float32\[11, 8\]\): \d+ of 11 rows differ"):
+    testing.check_against_reference(hidden, params, h0, x, iters=COUNTS,
                                     max_iters=MAX_ITERS, block_rows=8)
 
 

@@ -82,3 +82,26 @@ def test_recurrent_depth_kernel_interpret(capsys):
   out = capsys.readouterr().out
   assert "gradient vs reference.iterate: max relative difference" in out
   assert "the loss is not checked" in out
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_flax_dropout(implementation, capsys):
+  """Linen and NNX dropout per example (make_rng / nnx.Rngs from the row's key;
+  XLA) and linen on the tile with pallas_loop.random (the kernel in interpret
+  mode with "pallas"): gradients match the reference with the same keys."""
+  pytest.importorskip("flax", reason="flax is not installed: pip install -e '.[flax]'")
+  assert _load("flax_dropout").main(["--quick", "--implementation", implementation]) == 0
+  out = capsys.readouterr().out
+  for name in ("linen, per example (make_rng)", "nnx, per example (nnx.Rngs)",
+               "linen, tile (pallas_loop.random)"):
+    line = next(line for line in out.splitlines() if line.startswith(name))
+    assert line.endswith("ok"), line
+  assert out.rstrip().endswith("OK")
+
+
+def test_haiku_block(capsys):
+  """Haiku's transform/apply; skipped unless dm-haiku is installed (not in CI)."""
+  pytest.importorskip("haiku", reason="Haiku is not installed: pip install dm-haiku")
+  assert _load("haiku_block").main(["--quick"]) == 0
+  out = capsys.readouterr().out
+  assert "haiku, dropout per example" in out and out.rstrip().endswith("OK")

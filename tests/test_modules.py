@@ -117,6 +117,58 @@ def test_module_example_trains(example, library, impl, capsys):
   assert "max |grad - reference grad|" in out and "OK" in out
 
 
+# ---------------------------------------------------------------- Flax linen
+
+
+def _linen():
+  return pytest.importorskip("flax.linen", reason="flax is not installed: pip install -e '.[flax]'")
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_linen_module_as_block_matches_reference(impl):
+  """A linen module, unbound (created outside any parent), applied in the step."""
+  nn = _linen()
+  cell = _load_example("flax_dropout").LinenCell(D, HIDDEN, rate=0.0)
+  h0, x, n = _inputs()
+  variables = cell.init(jax.random.key(0), h0[0], x[0], train=False)
+  step = lambda v, h, x: cell.apply(v, h, x, train=False)   # rows: Dense acts on the last axis
+  assert isinstance(cell, nn.Module) and cell.parent is None
+  testing.check_against_reference(step, variables, h0, x, iters=n, max_iters=MAX_ITERS,
+                                  **IMPLS[impl])
+
+
+@pytest.mark.parametrize("library", ["linen", "nnx"])
+def test_flax_dropout_mask_is_the_rows_key_at_each_step(library):
+  """Per example, the module's dropout RNG is row i's key at step t: the
+  result equals an independent loop that applies the module to each row with
+  `pallas_loop.random.step_keys(key, i, t)`."""
+  _nnx()
+  example = _load_example("flax_dropout")
+  h0, x, n = _inputs()
+  if library == "linen":
+    cell = example.LinenCell(D, HIDDEN, rate=0.5)
+    params = cell.init(jax.random.key(0), h0[0], x[0], train=False)
+    step = example.linen_step(cell)
+  else:
+    graphdef, params = _nnx().split(example.NnxCell(D, HIDDEN, 0.5, rngs=_nnx().Rngs(0)),
+                                    _nnx().Param)
+    step = example.nnx_step(graphdef)
+  key = jax.random.key(7)
+  got = pallas_loop.iterate(step, params, h0, x, iters=n, max_iters=MAX_ITERS, key=key,
+                            per_example=True, implementation="xla")
+  words = pallas_loop.random.key_data(key).reshape(1, 2)
+  for i in range(B):
+    h = h0[i]
+    for t in range(int(n[i])):
+      k = pallas_loop.random.step_keys(words, jnp.full((1, 1), i), jnp.full((1, 1), t))[0]
+      h = step(params, h, x[i], k)
+    np.testing.assert_allclose(got[i], h, rtol=1e-5, atol=1e-6)
+  deterministic = pallas_loop.iterate(
+      lambda p, h, x, k: step(p, h, x, k * 0), params, h0, x, iters=n, max_iters=MAX_ITERS,
+      key=key, per_example=True, implementation="xla")
+  assert not np.allclose(got, deterministic)  # the masks differ across rows and steps
+
+
 # ---------------------------------------------------------------- Equinox
 
 

@@ -129,7 +129,7 @@ class TileCell(nn.Module):
 
 def tile_step(cell: TileCell):
   """A keyed step on a tile of rows (`per_example=False`)."""
-  return lambda variables, h, x, keys: cell.apply(variables, h, x, keys)
+  return lambda variables, h, x, key: cell.apply(variables, h, x, key)
 
 
 # ---------------------------------------------------------------------------
@@ -139,7 +139,9 @@ def train(name, step, params, data, *, per_example, implementation, n_steps, lr=
   """SGD through iterate; checks the first gradient against the reference."""
   h0, x, n, target, key, max_iters = data
   # The reference takes a step on all rows: vmap a per-example step.
-  ref_step = jax.vmap(step, in_axes=(None, 0, 0, 0)) if per_example else step
+  ref_step = step
+  if per_example:
+    ref_step = lambda p, h, x, key: jax.vmap(step, in_axes=(None, 0, 0, 0))(p, h, x, key)
 
   def loss_fn(params, k):
     h = pallas_loop.iterate(step, params, h0, x, iters=n, max_iters=max_iters, key=k,

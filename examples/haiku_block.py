@@ -56,7 +56,9 @@ def train(name, step, params, data, *, keyed, n_steps, lr=0.2) -> bool:
   """SGD through iterate; checks the first gradient against the reference."""
   h0, x, n, target, key, max_iters = data
   kw = dict(key=key, per_example=True) if keyed else {}
-  ref_step = jax.vmap(step, in_axes=(None, 0, 0, 0)) if keyed else step
+  ref_step = step
+  if keyed:
+    ref_step = lambda p, h, x, key: jax.vmap(step, in_axes=(None, 0, 0, 0))(p, h, x, key)
 
   def loss_fn(params, iterate, step, **kw):
     h = iterate(step, params, h0, x, iters=n, max_iters=max_iters, **kw)
@@ -107,7 +109,7 @@ def main(argv=None) -> int:
   ok = train("haiku, deterministic", lambda p, h, x: model.apply(p, None, h, x),
              model.init(jax.random.key(2), h0, x), data, keyed=False, n_steps=n_steps)
   dropout = hk.transform(cell(d, hidden, rate=0.1))
-  step = lambda p, h, x, k: dropout.apply(p, jax.random.wrap_key_data(k), h, x)
+  step = lambda p, h, x, key: dropout.apply(p, jax.random.wrap_key_data(key), h, x)
   ok &= train("haiku, dropout per example", step,
               dropout.init(jax.random.key(2), h0, x), data, keyed=True, n_steps=n_steps)
   print("OK" if ok else "MISMATCH")

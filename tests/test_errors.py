@@ -167,12 +167,12 @@ FIRST_CONTACT = {
     # today: normal accepts a single key, but was given a key array of shape
     # (64, 2) != (). Use jax.vmap for batching.
     "jax.random in a keyed step": (
-        dict(step=lambda p, h, x, k: h + jax.random.normal(k, h.shape), h0=jnp.ones((_B, 8)),
+        dict(step=lambda p, h, x, key: h + jax.random.normal(key, h.shape), h0=jnp.ones((_B, 8)),
              max_iters=3, key=jax.random.key(0)), ValueError,
         r"^step called jax.random on its per-row keys .*: draw with pallas_loop.random "
         r"instead, e.g. pallas_loop.random.normal\(key, h.shape\)"),
     "jax.random.split in a keyed step": (
-        dict(step=lambda p, h, x, k: h + jax.random.uniform(jax.random.split(k)[0], h.shape),
+        dict(step=lambda p, h, x, key: h + jax.random.uniform(jax.random.split(key)[0], h.shape),
              h0=jnp.ones((_B, 8)), max_iters=3, key=jax.random.key(0)), ValueError,
         r"^step called jax.random on its per-row keys"),
     # today: h0[0] has shape (): ... (use a[None] for one row)
@@ -217,7 +217,7 @@ def test_per_row_closure_under_jit_is_caught():
 
 def test_trace_error_keeps_jax_message_as_cause():
   with pytest.raises(ValueError) as excinfo:
-    pallas_loop.iterate(lambda p, h, x, k: h + jax.random.normal(k, h.shape), None,
+    pallas_loop.iterate(lambda p, h, x, key: h + jax.random.normal(key, h.shape), None,
                         jnp.ones((4, 8)), max_iters=2, key=jax.random.key(0))
   assert "accepts a single key" in str(excinfo.value.__cause__)
   assert "JAX said: normal accepts a single key" in str(excinfo.value)
@@ -226,7 +226,7 @@ def test_trace_error_keeps_jax_message_as_cause():
 def test_jax_random_works_on_one_rows_key_with_per_example():
   # The hint's alternative: with per_example=True the step sees one row's
   # key, on which jax.random works (on the XLA path).
-  step = lambda p, h, x, k: h + jax.random.normal(k, h.shape)
+  step = lambda p, h, x, key: h + jax.random.normal(key, h.shape)
   out = pallas_loop.iterate(step, None, jnp.zeros((4, 3)), max_iters=1, key=jax.random.key(0),
                             per_example=True, implementation="xla")
   keys = pallas_loop.random.step_keys(pallas_loop.random.key_data(jax.random.key(0)).reshape(1, 2),
@@ -374,11 +374,11 @@ def test_mixed_rank_case_passes():
 def test_keyed_samplers_and_halting_criteria_pass():
   from pallas_loop import halting  # pylint: disable=g-import-not-at-top
 
-  def step(p, h, x, k):
-    h = pallas_loop.random.dropout(k, jnp.tanh(h @ _W), 0.1)
-    noise = pallas_loop.random.normal(pallas_loop.random.fold_in(k, 1), h.shape)
-    keep = pallas_loop.random.bernoulli(pallas_loop.random.fold_in(k, 2), 0.5, h.shape[:1])
-    return h + 0.01 * noise * keep[:, None].astype(h.dtype) + 0.01 * pallas_loop.random.uniform(k, h.shape)
+  def step(p, h, x, key):
+    h = pallas_loop.random.dropout(key, jnp.tanh(h @ _W), 0.1)
+    noise = pallas_loop.random.normal(pallas_loop.random.fold_in(key, 1), h.shape)
+    keep = pallas_loop.random.bernoulli(pallas_loop.random.fold_in(key, 2), 0.5, h.shape[:1])
+    return h + 0.01 * noise * keep[:, None].astype(h.dtype) + 0.01 * pallas_loop.random.uniform(key, h.shape)
   out = pallas_loop.iterate(step, None, jnp.ones((_B, 8)), iters=_N, max_iters=10,
                             key=jax.random.key(1), halt=halting.relative_change(1e-3),
                             tol=1e-4)

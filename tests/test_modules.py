@@ -164,7 +164,7 @@ def test_flax_dropout_mask_is_the_rows_key_at_each_step(library):
       h = step(params, h, x[i], k)
     np.testing.assert_allclose(got[i], h, rtol=1e-5, atol=1e-6)
   deterministic = pallas_loop.iterate(
-      lambda p, h, x, k: step(p, h, x, k * 0), params, h0, x, iters=n, max_iters=MAX_ITERS,
+      lambda p, h, x, key: step(p, h, x, key * 0), params, h0, x, iters=n, max_iters=MAX_ITERS,
       key=key, per_example=True, implementation="xla")
   assert not np.allclose(got, deterministic)  # the masks differ across rows and steps
 

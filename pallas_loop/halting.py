@@ -10,7 +10,7 @@ the other common cases.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 from jax import tree_util
@@ -142,3 +142,161 @@ def any_of(*criteria: Criterion) -> Criterion:
     return out
 
   return halt
+
+
+# ----------------------------------------------------------------------------
+# Adaptive Computation Time (Graves 2016)
+# ----------------------------------------------------------------------------
+
+
+class ACTState(NamedTuple):
+  """What `act` carries through `iterate`: the block's state and ACT's books.
+
+  U below is the shape of one halting unit inside a row: `()` when each row
+  (example) halts as a whole, `(T,)` when each of the row's T tokens halts on
+  its own. Every leaf has the row axis first.
+
+  Attributes:
+    state: the block's own state (a pytree of [R, ...] leaves). A unit that
+      has halted keeps the state of its last step.
+    output: the probability-weighted output `sum_n w_n y_n` accumulated so
+      far (the structure of the block's `y`).
+    cum_prob: float32 [R, *U]: `sum_n h_n` over the steps before the halting
+      one; once halted it is `sum_{n<N} h_n`.
+    remainder: float32 [R, *U]: `R = 1 - sum_{n<N} h_n` once halted, 0 before.
+    steps: int32 [R, *U]: steps applied; `N` once halted.
+    halted: bool [R, *U]: whether the unit has halted.
+  """
+
+  state: Any
+  output: Any
+  cum_prob: jax.Array
+  remainder: jax.Array
+  steps: jax.Array
+  halted: jax.Array
+
+  @property
+  def ponder_cost(self) -> jax.Array:
+    """float32 [R, *U]: Graves' ponder cost `N + R` of each unit."""
+    return self.steps.astype(jnp.float32) + self.remainder
+
+
+class ACT(NamedTuple):
+  """The pieces `act` builds: pass them to `iterate` (see `act`).
+
+  Attributes:
+    init: init(params, state0, x) -> ACTState, the initial state (zero
+      output, probabilities and counters, nothing halted).
+    step: the step for `iterate`: step(params, h: ACTState, x) -> ACTState.
+    halt: the criterion for `iterate(..., halt=...)`: a row halts once all
+      of its units have.
+    max_steps: the cap M; pass it as `iterate`'s `max_iters`.
+  """
+
+  init: Callable[[Any, Any, Any], ACTState]
+  step: Callable[[Any, ACTState, Any], ACTState]
+  halt: Criterion
+  max_steps: int
+
+
+def _expand_to(a: jax.Array, ndim: int) -> jax.Array:
+  """[R, *U] -> [R, *U, 1, ...] with `ndim` axes, to broadcast onto a leaf."""
+  return a.reshape(a.shape + (1,) * (ndim - a.ndim))
+
+
+def _row_all(flags: jax.Array) -> jax.Array:
+  """bool [R, *U] -> bool [R]: all over the unit axes (int min: lowers everywhere)."""
+  a = flags.astype(jnp.int32)
+  while a.ndim > 1:
+    a = jnp.min(a, axis=-1)
+  return a > 0
+
+
+def act(block: Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]], *,
+        max_steps: int, eps: float = 0.01) -> ACT:
+  """Adaptive Computation Time (Graves 2016) as a step and a halt for `iterate`.
+
+  `block(params, state, x) -> (state_new, y, p)` is one ponder step (the
+  same parameters every step: tied layers): the new state, the step's output
+  `y` (a pytree, leaves [R, *U, ...]) and the halting probability
+  `p = h_n` in [0, 1] (float [R, *U], e.g. a sigmoid of `state_new`),
+  with U = () for one halting decision per row or U = (T,) for one per token.
+
+  The rule is the paper's (eq. 5-8, 11-12): a unit applies steps n = 1, 2,
+  ... and stops after step `N = min(M, min{n : sum_{m<=n} h_m >= 1 - eps})`;
+  the weights are `w_n = h_n` for n < N and the remainder
+  `w_N = R = 1 - sum_{n<N} h_n` (so they sum to 1, also when the cap M
+  stops the unit); the output is `sum_n w_n y_n` and the ponder cost
+  `N + R`. A unit that has halted is frozen (state, output and books); a
+  row stops (`halt`) once all of its units have halted, at most M steps.
+
+  Args:
+    block: block(params, state, x) -> (state_new, y, p); row-wise like any
+      step of `iterate` (units inside a row may mix, e.g. attention over the
+      row's tokens).
+    max_steps: M >= 1, the most steps a unit may take.
+    eps: the paper's epsilon, 0 <= eps < 1 (0.01 in the paper): a unit may
+      halt after one step when `h_1 >= 1 - eps`.
+
+  Returns:
+    An `ACT`: `init`, `step`, `halt` and `max_steps` for `iterate`. The
+    result's `output`, `ponder_cost`, `steps` (N) and `remainder` (R) are
+    ACT's outputs.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, pallas_loop
+    >>> def block(w, s, x):
+    ...   s = jnp.tanh(s @ w + x)
+    ...   return s, s, jax.nn.sigmoid(s.sum(-1))     # state, y, h_n
+    >>> a = pallas_loop.halting.act(block, max_steps=5, eps=0.01)
+    >>> w, x = 0.5 * jnp.eye(3), jnp.array([[2.0] * 3, [-3.0] * 3])
+    >>> h0 = a.init(w, jnp.zeros((2, 3)), x)
+    >>> h = pallas_loop.iterate(a.step, w, h0, x, max_iters=a.max_steps,
+    ...                         halt=a.halt)
+    >>> import numpy as np
+    >>> print(h.steps, np.round(np.asarray(h.ponder_cost), 3))   # N, N + R
+    [2 5] [2.053 5.809]
+  """
+  max_steps = int(max_steps)
+  if max_steps < 1:
+    raise ValueError(f"{max_steps=} must be >= 1: ACT applies at least one step.")
+  if not 0.0 <= eps < 1.0:
+    raise ValueError(f"{eps=} must be in [0, 1): a unit halts once sum h_n >= 1 - eps.")
+  threshold = 1.0 - eps
+
+  def init(params: Any, state0: Any, x: Any) -> ACTState:
+    _, y, p = jax.eval_shape(block, params, state0, x)
+    zeros = lambda s: jnp.zeros(s.shape, s.dtype)
+    return ACTState(state=state0, output=tree_util.tree_map(zeros, y),
+                    cum_prob=jnp.zeros(p.shape, jnp.float32),
+                    remainder=jnp.zeros(p.shape, jnp.float32),
+                    steps=jnp.zeros(p.shape, jnp.int32),
+                    halted=jnp.zeros(p.shape, jnp.bool_))
+
+  def step(params: Any, h: ACTState, x: Any) -> ACTState:
+    state_new, y, p = block(params, h.state, x)
+    p = p.astype(jnp.float32).reshape(h.cum_prob.shape)
+    active = jnp.logical_not(h.halted)
+    steps = jnp.where(active, h.steps + 1, h.steps)
+    last = active & ((h.cum_prob + p >= threshold) | (steps >= max_steps))
+    remainder = jnp.where(last, 1.0 - h.cum_prob, h.remainder)
+    weight = jnp.where(last, remainder, p)        # w_n: h_n, or R on the last step
+    cum_prob = jnp.where(active & jnp.logical_not(last), h.cum_prob + p, h.cum_prob)
+
+    def accumulate(acc, y_n):
+      w = _expand_to(weight, y_n.ndim).astype(y_n.dtype)
+      return jnp.where(_expand_to(active, y_n.ndim), acc + w * y_n, acc)
+
+    def freeze(new, old):
+      return jnp.where(_expand_to(active, old.ndim), new, old)
+
+    return ACTState(state=tree_util.tree_map(freeze, state_new, h.state),
+                    output=tree_util.tree_map(accumulate, h.output, y),
+                    cum_prob=cum_prob, remainder=remainder, steps=steps,
+                    halted=h.halted | last)
+
+  def halt(params: Any, h_new: ACTState, h: ACTState, x: Any) -> jax.Array:
+    del params, h, x
+    return _row_all(h_new.halted)
+
+  return ACT(init=init, step=step, halt=halt, max_steps=max_steps)

@@ -43,6 +43,7 @@ from absl import flags
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
@@ -198,8 +199,9 @@ class ShardedOverProcessesTest(parameterized.TestCase):
 
     forward = jax.jit(lambda p, h, x_, n_: run(_step, p, h, x_, iters=n_, max_iters=MAX_ITERS))
     got = forward(g_params, g_h0, g_x, g_n)
-    want = reference.iterate(_step, params, h0, x, iters=n, max_iters=MAX_ITERS)
-    alone = run(_step, params, h0, x, iters=n, max_iters=MAX_ITERS)  # one device, unsharded
+    want = jax.jit(lambda p, h, x_, n_: reference.iterate(
+        _step, p, h, x_, iters=n_, max_iters=MAX_ITERS))(params, h0, x, n)
+    alone = forward(params, h0, x, n)  # NumPy inputs: one device of this process, unsharded
     oracle.assert_trees_close(alone, want)
     _assert_shards_close(got, np.asarray(alone), "forward")
     assert got.sharding.spec == P("rows", None), got.sharding
@@ -209,9 +211,9 @@ class ShardedOverProcessesTest(parameterized.TestCase):
 
     grads = jax.jit(jax.grad(functools.partial(_loss, run), argnums=(0, 1, 2)))
     got_p, got_h0, got_x = grads(g_params, g_h0, g_x, g_n)
-    want_p, want_h0, want_x = jax.grad(functools.partial(_loss, reference.iterate),
-                                       argnums=(0, 1, 2))(params, h0, x, n)
-    alone_grads = jax.grad(functools.partial(_loss, run), argnums=(0, 1, 2))(params, h0, x, n)
+    want_p, want_h0, want_x = jax.jit(jax.grad(functools.partial(_loss, reference.iterate),
+                                               argnums=(0, 1, 2)))(params, h0, x, n)
+    alone_grads = grads(params, h0, x, n)
     oracle.assert_trees_close(alone_grads, (want_p, want_h0, want_x), what="gradients")
     # The parameter gradients were summed over all 8 devices (both
     # processes) and are replicated: every process holds the whole value.
@@ -250,12 +252,15 @@ class ShardedOverProcessesTest(parameterized.TestCase):
     f = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
     (value, (out, info)), (g_p, g_h, g_xx) = jax.jit(f)(
         jax.device_put(params, NamedSharding(mesh, P())), g_h0, g_x, g_n)
-    (want_value, (want_out, want_info)), want_grads = f(params, h0, x, n)
+    (want_value, (want_out, want_info)), want_grads = jax.jit(f)(params, h0, x, n)
     assert np.any(np.asarray(want_info.halted)) and not np.all(np.asarray(want_info.halted))
     oracle.assert_trees_close(np.asarray(value), np.asarray(want_value), what="loss")
     _assert_shards_close(out, np.asarray(want_out), "forward")
     for field in ("steps", "halted", "residual"):
       _assert_shards_close(getattr(info, field), np.asarray(getattr(want_info, field)), field)
+    # Every process can also fetch the whole result (an all-gather over processes).
+    np.testing.assert_array_equal(multihost_utils.process_allgather(info.steps, tiled=True),
+                                  want_info.steps)
     oracle.assert_trees_close(tuple(np.asarray(g) for g in g_p), want_grads[0],
                               what="parameter gradients")
     _assert_shards_close(g_h, np.asarray(want_grads[1]), "h0 gradient")
@@ -275,7 +280,8 @@ class ShardedOverProcessesTest(parameterized.TestCase):
     run = lambda p, h, x_, n_: pallas_loop.iterate(
         _step, p, h, x_, iters=n_, max_iters=MAX_ITERS, implementation="pallas",
         interpret=True, block_rows=4)
-    want = reference.iterate(_step, params, h0, x, iters=n, max_iters=MAX_ITERS)
+    want = jax.jit(lambda p, h, x_, n_: reference.iterate(
+        _step, p, h, x_, iters=n_, max_iters=MAX_ITERS))(params, h0, x, n)
     with jax.set_mesh(mesh):
       eager = run(params, g_h0, g_x, g_n)
       jitted = jax.jit(run)(params, g_h0, g_x, g_n)

@@ -138,11 +138,11 @@ def _inputs(seed=0):
 
 def _local_rows(sharding: NamedSharding, rows: int) -> slice:
   """The rows of a [rows, ...] array that this process's devices hold."""
-  starts, stops = [], []
-  for index in sharding.addressable_devices_indices_map((rows,)).values():
-    starts.append(index[0].start or 0)
-    stops.append(rows if index[0].stop is None else index[0].stop)
-  assert sorted(set(stops) - set(starts)) == [max(stops)], (starts, stops)  # one block
+  # As docs/sharding.md's `my_rows`, checking that the rows form one block.
+  spans = [index[0].indices(rows)
+           for index in sharding.addressable_devices_indices_map((rows,)).values()]
+  starts, stops = {s[0] for s in spans}, {s[1] for s in spans}
+  assert stops - starts == {max(stops)}, spans  # one block, no gaps
   return slice(min(starts), max(stops))
 
 

@@ -109,10 +109,10 @@ def train(params, x, targets, adjoint, *, steps, tol, max_steps, implementation,
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="fewer rows and steps (the test)")
+  parser.add_argument("--quick", action="store_true", help="16 rows, 30 steps (the test)")
   parser.add_argument("--implementation", default=None, choices=[None, "pallas", "xla"])
   args = parser.parse_args(argv)
-  batch, train_steps = (32, 60) if args.quick else (64, 300)
+  batch, train_steps = (16, 30) if args.quick else (64, 300)
   tol, max_steps = 1e-4, 100
   params, x, targets = make_problem(batch)
   impl = args.implementation

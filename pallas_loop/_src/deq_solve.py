@@ -94,7 +94,7 @@ class ImplicitAdjoint:
       per-row statistics, as numpy arrays, each time the gradient is
       computed.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from pallas_loop import deq
     >>> f = lambda w, h, x: jnp.tanh(h @ w + x)
@@ -132,7 +132,7 @@ class UnrolledAdjoint:
   gives a gradient w.r.t. `h0`. For comparisons and for maps where the
   implicit gradient is not wanted.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from pallas_loop import deq
     >>> f = lambda w, h, x: jnp.tanh(h @ w + x)
@@ -337,7 +337,7 @@ def fixed_point(
     h* with the structure, shapes and dtypes of `h0`; with
     `return_info=True`, `(h*, SolveInfo(steps, residual, converged))`.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from pallas_loop import deq
     >>> f = lambda w, h, x: jnp.tanh(h @ w + x)
@@ -415,8 +415,9 @@ def _implicit(fmap, solver, max_steps, run_kw, tol, on_failure, adjoint: Implici
     adj_threshold = rel * row_rms(g)
     u, info = solve_rows(adjoint_map, shared, g, (z_star, x, g), adj_threshold, adj_solver,
                          adj_steps, run_kw)
-    if adjoint.callback is not None:
-      jax.debug.callback(lambda *a: adjoint.callback(SolveInfo(*a)), *info)
+    callback = adjoint.callback
+    if callback is not None:
+      jax.debug.callback(lambda *a: callback(SolveInfo(*a)), *info)
     _report("adjoint", adj_policy, adj_tol if not isinstance(adj_tol, jax.core.Tracer)
             else "traced", adj_steps, info)
     if adj_policy == "nan":

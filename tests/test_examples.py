@@ -105,3 +105,13 @@ def test_haiku_block(capsys):
   assert _load("haiku_block").main(["--quick"]) == 0
   out = capsys.readouterr().out
   assert "haiku, dropout per example" in out and out.rstrip().endswith("OK")
+
+
+def test_act(capsys):
+  """ACT per example and per token: forward vs the oracle, then a few training steps."""
+  pytest.importorskip("optax", reason='needs the examples extra: pip install -e ".[examples]"')
+  assert _load("act").main(["--quick", "--steps", "6"]) == 0
+  out = capsys.readouterr().out
+  assert out.count("N identical") == 2    # the example also bounds the output difference
+  assert "1. per example" in out and "2. per token" in out
+  assert out.rstrip().endswith("OK")

@@ -77,9 +77,10 @@ IMPLS = ("xla", "pallas")
 def _loopback_cpu_collectives() -> None:
   """Makes the CPU backend's Gloo collectives listen on 127.0.0.1 only.
 
-  By default Gloo binds to the address that this machine's host name
-  resolves to, which may be a public interface. There is no public option for
-  it in JAX 0.11, so this replaces the CPU backend factory (before any backend
+  Left to itself, Gloo chooses the address it listens on (on the machine
+  this was written on, the host name's address, which was 127.0.0.1; on
+  another, possibly a public interface). JAX 0.11 has no public option for
+  it, so this replaces the CPU backend factory (before any backend
   exists) with one that passes `hostname="127.0.0.1"` to JAX's own Gloo TCP
   collectives. Test-only: real multi-host runs keep the default.
   """

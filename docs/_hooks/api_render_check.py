@@ -1,8 +1,9 @@
-"""mkdocs hook: fail the strict build when an API page renders a docstring wrongly.
+"""mkdocs hook: fail the strict build when a page renders a docstring wrongly.
 
 mkdocstrings turns a docstring it half-understands into valid but wrong HTML,
-which `--strict` alone lets through. On the pages under api/ this hook warns
-(an error under `mkdocs build --strict`) when:
+which `--strict` alone lets through. On the pages under api/, and in the
+docstrings other pages render (`::: name` blocks), this hook warns (an error
+under `mkdocs build --strict`) when:
 
 * a docstring example is not a code block: `>>>` outside `<pre>`, or a
   blockquote (Markdown reads a bare `>>>` as three nested quotes). Google
@@ -29,6 +30,35 @@ _ADMONITION = re.compile(r'<details class="(\w+)"[^>]*>\s*<summary>([^<]*)</summ
 _MISNAMED = re.compile(r"^(example|usage|return|arg|argument|param|parameter|raise|yield)s?$",
                        re.IGNORECASE)
 _EMPHASIS = re.compile(r"<(em|strong)>(.*?)</\1>", re.S)
+_DIV = re.compile(r"<div\b[^>]*>|</div>")
+_DOC_OBJECT = re.compile(r'<div class="doc doc-object\b')
+
+
+def rendered_docstrings(html: str) -> str:
+  """The parts of a page that mkdocstrings rendered (its `::: name` blocks).
+
+  Args:
+    html: a page's HTML.
+
+  Returns:
+    The outermost `doc-object` blocks, concatenated ("" when there are none).
+
+  Examples:
+    >>> page = '<p>prose</p><div class="doc doc-object"><div>a</div></div><p>more</p>'
+    >>> rendered_docstrings(page)
+    '<div class="doc doc-object"><div>a</div></div>'
+  """
+  parts, pos = [], 0
+  while (start := _DOC_OBJECT.search(html, pos)) is not None:
+    depth, end = 0, len(html)
+    for tag in _DIV.finditer(html, start.start()):
+      depth += -1 if tag.group() == "</div>" else 1
+      if depth == 0:
+        end = tag.end()
+        break
+    parts.append(html[start.start():end])
+    pos = end
+  return "".join(parts)
 
 
 def _text(fragment: str, limit: int = 80) -> str:
@@ -75,7 +105,8 @@ def problems(html: str) -> list[str]:
 
 
 def on_post_page(output: str, page, config) -> str:
-  """Warns (an error under `--strict`) for every problem on a page under api/.
+  """Warns (an error under `--strict`) for every problem on an API page, or in
+  the docstrings another page renders.
 
   Args:
     output: the page's HTML.
@@ -85,7 +116,7 @@ def on_post_page(output: str, page, config) -> str:
   Returns:
     `output`, unchanged.
   """
-  if page.file.src_uri.startswith("api/"):
-    for problem in problems(output):
-      log.warning("%s: %s", page.file.src_uri, problem)
+  checked = output if page.file.src_uri.startswith("api/") else rendered_docstrings(output)
+  for problem in problems(checked):
+    log.warning("%s: %s", page.file.src_uri, problem)
   return output

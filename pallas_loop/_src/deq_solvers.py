@@ -35,7 +35,7 @@ class Solver(abc.ABC):
   solver owns its state, `fixed_point` owns the map, the halting on the map's
   residual and the implicit gradient (of the map, not of your update).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from pallas_loop import deq
     >>> class Halfway(deq.Solver):
@@ -85,7 +85,7 @@ class Damped(Solver):
   Attributes:
     beta: the step size, in (0, 1].
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from pallas_loop import deq
     >>> # f(h) = -1.5 h + 1 oscillates and diverges undamped; beta=0.4 converges.
@@ -139,7 +139,7 @@ class Anderson(Solver):
       `examples/deq_training.py` the gradient came out ~1e4 times too
       large).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from pallas_loop import deq
     >>> # A linear map with an eigenvalue 1.5 (> 1): plain iteration diverges.

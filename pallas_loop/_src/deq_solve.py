@@ -40,9 +40,9 @@ class SolveInfo(NamedTuple):
 
   Attributes:
     steps: int32 [B], map evaluations the row used (its solver steps).
-    residual: float32 [B], rms(f(z) - z) at the last z evaluated (for the
-      adjoint: of u - (g + u df/dz)). A converged row's output is f(z) at
-      that z.
+    residual: float32 [B], rms(f(z) - z) at the z whose f(z) is returned:
+      the smallest seen (for a converged row, the first at most `tol`; for
+      the adjoint: of u - (g + u df/dz)).
     converged: bool [B], whether the residual met its tolerance within
       `max_steps`.
   """
@@ -79,7 +79,7 @@ class ImplicitAdjoint:
   scale), then returns u df/d(params, x) at z*. The forward's solver never
   enters: the gradient is that of f, whatever iteration found z*. Zero
   gradient w.r.t. `h0`. Exact where the forward converged; at a row that did
-  not, the gradient is taken at its last iterate (an approximation: the
+  not, the gradient is taken at its best point (an approximation: the
   policy reports it).
 
   Attributes:
@@ -231,26 +231,31 @@ def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0
     grad: iterate's gradient mode (only used by `UnrolledAdjoint`).
 
   Returns:
-    (z*, SolveInfo): f(z) at the halting z for converged rows, the solver's
-    last iterate for the others.
+    (z*, SolveInfo): per row, f(z) at the z with the smallest residual seen
+    (the halting one for converged rows: it is the first at most the
+    threshold), with that residual.
   """
 
   def step(shared, state, xs):
-    z, _, solver_state = state
+    z, _, best_f, best_res, solver_state = state
     per_row, threshold = xs
     fz = fmap(shared, z, per_row)
     residual = row_rms(jax.lax.stop_gradient(fz - z))
+    # A row that runs out of budget returns its best point, not its last.
+    better = residual <= best_res
+    best_f = jnp.where(better[:, None], fz, best_f)
+    best_res = jnp.where(better, residual, best_res)
     z_next, solver_state = solver.update(solver_state, z, fz)
-    done = residual <= threshold
-    return jnp.where(done[:, None], fz, z_next), residual, solver_state
+    return z_next, residual, best_f, best_res, solver_state
 
   def halt(shared, new, old, xs):
     return new[1] <= xs[1]
 
-  state0 = (z0, jnp.full(z0.shape[:1], jnp.inf, jnp.float32), solver.init(z0))
-  (z, residual, _), info = iterate(step, shared, state0, (per_row, threshold),
-                                   max_iters=max_steps, halt=halt, grad=grad,
-                                   return_info=True, **run_kw)
+  inf = jnp.full(z0.shape[:1], jnp.inf, jnp.float32)
+  state0 = (z0, inf, z0, inf, solver.init(z0))
+  (_, _, z, residual, _), info = iterate(step, shared, state0, (per_row, threshold),
+                                         max_iters=max_steps, halt=halt, grad=grad,
+                                         return_info=True, **run_kw)
   return z, SolveInfo(info.steps, jax.lax.stop_gradient(residual), info.halted)
 
 
@@ -299,7 +304,8 @@ def fixed_point(
   """Solves h = f(params, h, x) for each row, differentiably (a DEQ layer).
 
   Each row runs `solver` on the map until rms(f(h) - h) <= `tol` (then keeps
-  f(h)) or `max_steps` map evaluations, and stops costing compute when it
+  f(h)) or `max_steps` map evaluations (then keeps f(h) at the h of smallest
+  residual seen), and stops costing compute when it
   halts (one `iterate` call: the XLA loop, or the Pallas kernel with
   `implementation="pallas"`). The gradient is chosen by `adjoint`; by
   default the implicit gradient of f at the fixed point, whatever solver

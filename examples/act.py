@@ -28,8 +28,8 @@ last token halts. The task: at every position, whether the sequence has more
 +1 than -1 tokens up to and including that position (it needs the tokens on
 the left, so attention must do some work).
 
-Both are trained with optax Adam (800 steps on fresh batches of 128; about 5 s
-after compilation on 2 CPU cores) and print the loss, the accuracy and the
+Both are trained with optax Adam (800 steps on fresh batches of 128; the
+time since the start of training, compilation included, is printed) and print the loss, the accuracy and the
 ponder (mean N, and the spread of N over rows or tokens); then, on a fresh
 batch, the accuracy and mean N by number of non-zero entries (parity) or
 by position (tokens). Before training, one forward is checked against the

@@ -222,13 +222,15 @@ def act(block: Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]], *,
   `p = h_n` in [0, 1] (float [R, *U], e.g. a sigmoid of `state_new`),
   with U = () for one halting decision per row or U = (T,) for one per token.
 
-  The rule is the paper's (eq. 5-8, 11-12): a unit applies steps n = 1, 2,
+  The rule is the paper's: a unit applies steps n = 1, 2,
   ... and stops after step `N = min(M, min{n : sum_{m<=n} h_m >= 1 - eps})`;
   the weights are `w_n = h_n` for n < N and the remainder
   `w_N = R = 1 - sum_{n<N} h_n` (so they sum to 1, also when the cap M
   stops the unit); the output is `sum_n w_n y_n` and the ponder cost
   `N + R`. A unit that has halted is frozen (state, output and books); a
   row stops (`halt`) once all of its units have halted, at most M steps.
+  The widely copied Universal Transformer code differs (a strict `>`, an
+  interpolated output, no remainder at the cap): see the docs' ACT page.
 
   Args:
     block: block(params, state, x) -> (state_new, y, p); row-wise like any

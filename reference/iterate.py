@@ -53,12 +53,14 @@ def iterate(
     truncate: int | None = None,
     return_info: bool = False,
     per_example: bool = False,
+    step_index: bool = False,
 ):
   """Applies `step` clip(iters[i], 0, max_iters) times to row i of `h0`.
 
   Args:
     step: step(params, h, x) -> h_new on all rows at once (row independent);
-      with `key`, step(params, h, x, k).
+      with `key`, step(params, h, x, key=k); with `step_index`, also
+      `index=t`.
     params: pytree shared by every row, or None.
     h0: pytree of arrays [B, ...].
     x: pytree of arrays [B, ...], or None.
@@ -84,6 +86,7 @@ def iterate(
       `pallas_loop.Truncated(k)`.
     return_info: also return an `IterateInfo`.
     per_example: `step` is written for one row (vmapped over the rows here).
+    step_index: pass `step` the scan step t (an int32 scalar) as `index=`.
 
   Returns:
     The final state (and an `IterateInfo` with `return_info=True`).
@@ -97,27 +100,32 @@ def iterate(
   """
   if per_example:
     one_row = step
-    in_axes = (None, 0, 0) + ((0,) if key is not None else ())
-    step = lambda *args: jax.vmap(one_row, in_axes=in_axes)(*args)
+
+    def step(params, h, x, **extra):
+      mapped = {k: v for k, v in extra.items() if k == "key"}
+      shared = {k: v for k, v in extra.items() if k != "key"}
+      return jax.vmap(lambda h_, x_, m: one_row(params, h_, x_, **m, **shared))(h, x, mapped)
   if truncate is not None:
     if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < 1:
       raise ValueError(f"truncate must be None or an int >= 1, got {truncate!r}.")
     # Which steps are the last k is known only once halting has run: find the
     # applied steps first (no gradient needed), then replay exactly them.
     _, info = iterate(step, params, h0, x, iters=iters, max_iters=max_iters, tol=tol,
-                      halt=halt, min_iters=min_iters, key=key, return_info=True)
+                      halt=halt, min_iters=min_iters, key=key, return_info=True,
+                      step_index=step_index)
     steps = lax.stop_gradient(info.steps)
     h = _scan(step, params, h0, x, steps, max_iters, None, None, 0, key,
-              truncate=(steps, truncate))[0]
+              truncate=(steps, truncate), step_index=step_index)[0]
     return (h, info) if return_info else h
   h, residual, steps, halted = _scan(step, params, h0, x, iters, max_iters, tol, halt,
-                                     min_iters, key, truncate=None)
+                                     min_iters, key, truncate=None, step_index=step_index)
   if not return_info:
     return h
   return h, IterateInfo(steps=steps, residual=lax.stop_gradient(residual), halted=halted)
 
 
-def _scan(step, params, h0, x, iters, max_iters, tol, halt, min_iters, key, truncate):
+def _scan(step, params, h0, x, iters, max_iters, tol, halt, min_iters, key, truncate,
+          step_index):
   """The masked scan; `truncate=(steps, k)` stops gradients before the last k."""
   leaves = jax.tree_util.tree_leaves(h0)
   batch = leaves[0].shape[0]
@@ -135,11 +143,12 @@ def _scan(step, params, h0, x, iters, max_iters, tol, halt, min_iters, key, trun
 
   def body(carry, t):
     h, residual, steps, halted = carry
-    if key is None:
-      h_new = step(params, h, x)
-    else:
-      k = pl_random.step_keys(key_words, rows, jnp.full((batch, 1), t, jnp.int32))
-      h_new = step(params, h, x, k)
+    extra = {}
+    if key is not None:
+      extra["key"] = pl_random.step_keys(key_words, rows, jnp.full((batch, 1), t, jnp.int32))
+    if step_index:
+      extra["index"] = t
+    h_new = step(params, h, x, **extra)
     active = (t < n) & ~halted
     squares = sum(
         jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)).reshape(batch, -1), axis=1)

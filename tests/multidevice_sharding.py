@@ -284,7 +284,7 @@ class ShardedRowsTest(parameterized.TestCase):
     rows = NamedSharding(_row_mesh(), P("rows"))
     s_h0, s_x, s_n = jax.device_put((h0, x, n), rows)
     key = jax.random.key(3)
-    step = lambda p, h, x_, k: _step(p, h, x_) + 0.1 * pallas_loop.random.normal(k, h.shape)
+    step = lambda p, h, x_, key: _step(p, h, x_) + 0.1 * pallas_loop.random.normal(key, h.shape)
     run = functools.partial(pallas_loop.iterate, **cases.IMPLEMENTATIONS[impl], block_rows=4)
 
     def loss(run_, p, h, x_, n_, **kw):

@@ -18,7 +18,7 @@ _PROGRAM = textwrap.dedent("""
     from jax._src import config
 
     context = len(config.trace_context())
-    step = lambda w, h, x, k: jnp.tanh(h @ w + x) * pallas_loop.random.dropout(k, jnp.ones_like(h), 0.1)
+    step = lambda w, h, x, key: jnp.tanh(h @ w + x) * pallas_loop.random.dropout(key, jnp.ones_like(h), 0.1)
     w, h0, x = jnp.eye(16) * 0.5, jnp.zeros((64, 16)), jnp.ones((64, 16))
     n = jnp.arange(64, dtype=jnp.int32) % 5
     key = jax.random.key(0)

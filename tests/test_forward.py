@@ -207,7 +207,7 @@ def test_per_example_step_is_vmapped_over_rows(impl):
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_per_example_step_gets_its_row_key(impl):
   h0 = jnp.zeros((6, 16))
-  one_row = lambda p, h, x_, k: h + pallas_loop.random.uniform(k, h.shape)
+  one_row = lambda p, h, x_, key: h + pallas_loop.random.uniform(key, h.shape)
   kw = dict(iters=3, max_iters=3, key=jax.random.key(1))
   got = pallas_loop.iterate(one_row, None, h0, per_example=True, **kw,
                             **cases.IMPLEMENTATIONS[impl])

@@ -98,7 +98,7 @@ def test_key_under_vmap_and_halting():
   """A key per example under vmap, with tol halting."""
   w, h0, x = _inputs(6)
   keys = jax.random.split(jax.random.key(0), 6)
-  step = lambda w_, h, x_, k: 0.5 * h + 0.01 * plr.uniform(k, h.shape) + 0.1 * x_
+  step = lambda w_, h, x_, key: 0.5 * h + 0.01 * plr.uniform(key, h.shape) + 0.1 * x_
 
   def one(h, x_, k, run):
     return run(step, w, h[None], x_[None], iters=30, max_iters=30, tol=1e-3, key=k)[0]
@@ -127,5 +127,5 @@ def test_keyed_kernel_lowers(platform):
 
 def test_bad_key_is_rejected_with_advice():
   with pytest.raises((TypeError, ValueError), match="key"):
-    pallas_loop.iterate(lambda p, h, x, k: h, None, jnp.ones((2, 4)), iters=1, max_iters=1,
+    pallas_loop.iterate(lambda p, h, x, key: h, None, jnp.ones((2, 4)), iters=1, max_iters=1,
                         key=3)

@@ -488,13 +488,13 @@ def test_kernel_lowers(platform, dtype):
 
 
 # ---------------------------------------------------------------------------
-# reference.iterate with key=: step(params, h, x, k), k = step_keys(key, row, t).
+# reference.iterate with key=: step(params, h, x, key=k), k = step_keys(key, row, t).
 
 
 def _ref_dropout(rate):
-  def step(params, h, x, k):
+  def step(params, h, x, *, key):
     del params, x
-    return pallas_loop.random.dropout(k, h, rate) + 1.0
+    return pallas_loop.random.dropout(key, h, rate) + 1.0
   return step
 
 
@@ -529,10 +529,10 @@ def test_reference_row_gets_key_of_its_row_and_step():
   n = jnp.array([0, 5, 2, 3, 9, 1], jnp.int32)
   h0 = jnp.full((batch, cols), 0.5, jnp.float32)
 
-  def step(params, h, x, k):
+  def step(params, h, x, *, key):
     del params, x
-    return pallas_loop.random.dropout(k, h, rate) + pallas_loop.random.uniform(
-        pallas_loop.random.fold_in(k, 1), h.shape)
+    return pallas_loop.random.dropout(key, h, rate) + pallas_loop.random.uniform(
+        pallas_loop.random.fold_in(key, 1), h.shape)
 
   got, g_h0 = jax.value_and_grad(
       lambda h: jnp.sum(reference.iterate(step, None, h, iters=n, max_iters=max_iters, key=key)))(h0)

@@ -252,7 +252,7 @@ def test_gradient_modes_are_compared_where_exact():
 
 def test_key_is_passed_to_both():
   from pallas_loop import random as plr
-  step = lambda w, h, x, k: jnp.tanh(plr.dropout(k, h @ w, 0.5) + x)
+  step = lambda w, h, x, key: jnp.tanh(plr.dropout(key, h @ w, 0.5) + x)
   _, params, h0, x = blocks.make("tanh_rnn", 12, 16)
   pallas_loop.testing.check_against_reference(
       step, params[0], h0, x, iters=jnp.arange(12) % 6, max_iters=5, key=jax.random.key(0))

@@ -93,13 +93,41 @@ def iter_eqns(jaxpr: jex_core.Jaxpr) -> Iterator[jex_core.JaxprEqn]:
       yield from iter_eqns(sub)
 
 
-def unsupported_primitive_problems(backend: Backend, jaxpr: jex_core.Jaxpr) -> list[str]:
-  """Names the primitives of `jaxpr` that `backend` has no lowering for."""
+def leading_slices(jaxpr: jex_core.Jaxpr, shared: Sequence[Any]) -> tuple[set[int], set[int]]:
+  """The `params[index]` reads of stacked shared operands in `jaxpr`.
+
+  Args:
+    jaxpr: the step's jaxpr.
+    shared: its variables that hold the shared operands, in the kernel's
+      order (params leaves, then constants).
+
+  Returns:
+    (positions in `shared` of operands read by a `dynamic_slice` of their
+    leading axis alone, ids of those equations). The kernels read such an
+    operand one slice at a time from its ref (`jaxpr_eval.LoadOnUse`), so
+    the equation needs no lowering of its own.
+  """
+  where = {v: i for i, v in enumerate(shared)}
+  positions, eqns = set(), set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name != "dynamic_slice" or eqn.invars[0] not in where:
+      continue
+    if tuple(eqn.params["slice_sizes"])[1:] == tuple(eqn.invars[0].aval.shape)[1:]:
+      positions.add(where[eqn.invars[0]])
+      eqns.add(id(eqn))
+  return positions, eqns
+
+
+def unsupported_primitive_problems(backend: Backend, jaxpr: jex_core.Jaxpr,
+                                   read_from_refs: set[int] = frozenset()) -> list[str]:
+  """Names the primitives of `jaxpr` that `backend` has no lowering for
+  (the equations in `read_from_refs`, ids, are ref reads: see
+  `leading_slices`)."""
   rules = backend.lowering_rules()
   if rules is None:
     return []
   missing = sorted({e.primitive.name for e in iter_eqns(jaxpr)
-                    if e.primitive not in rules})
+                    if e.primitive not in rules and id(e) not in read_from_refs})
   return [f"step uses the primitive `{name}`, which the Pallas {backend.name} "
           "lowering does not support" for name in missing]
 

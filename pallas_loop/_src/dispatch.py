@@ -213,7 +213,7 @@ def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *,
   """
 
   def run_xla(ops: LoopOperands) -> LoopOutputs:
-    body = lambda p, h, x, t, rows: step_fn(p, ops.consts, h, x, t, rows)
+    body = lambda p, h, x, t, rows, index: step_fn(p, ops.consts, h, x, t, rows, index)
     return xla_forward.forward(body, ops, residual)
 
   def plan(backend: backend_lib.Backend, ops: LoopOperands) -> kernel_forward.TilePlan:

@@ -71,7 +71,11 @@ def _last_steps_window(k: int, ctx: Context, saved: Saved, h_start: Any, g: Any)
   ops, steps = saved.ops, saved.steps
   n = jnp.minimum(steps, k)
   window = WindowOperands(ops.params, ops.consts, h_start, ops.x, steps - n, n, ops.row_ids, g)
-  return ctx.window(window, min(k, ctx.max_iters), None)
+  # A step that takes its scalar index runs the windows on one clock
+  # (`loop_reverse.reverse_window(aligned=True)`): rows of a group then span
+  # up to max_iters trips, not k.
+  bound = ctx.max_iters if ctx.fn.indexed else min(k, ctx.max_iters)
+  return ctx.window(window, bound, None)
 
 
 class GradMode(abc.ABC):
@@ -252,7 +256,7 @@ class Implicit(GradMode):
     def adjoint_step(shared, u, per_row):
       h_s, x, g_, t, r = per_row
       (d_h,) = loop_reverse.vjp_of_floats(
-          lambda h: ctx.fn.new_state(shared, h, x, t, r), (h_s,), u)
+          lambda h: ctx.fn.new_state_per_row(shared, h, x, t, r), (h_s,), u)
       return [a + b for a, b in zip(g_, loop_reverse.float_leaves(d_h))]
 
     u = ctx.iterate(
@@ -260,7 +264,7 @@ class Implicit(GradMode):
         iters=jnp.where(steps > 0, budget, 0), max_iters=budget, tol=tol)
     u = [_zero_rows(steps > 0, a) for a in u]
     (g_params, g_consts), g_x = loop_reverse.vjp_of_floats(
-        lambda shared, x: ctx.fn.new_state(shared, h_star, x, t_last, rows),
+        lambda shared, x: ctx.fn.new_state_per_row(shared, h_star, x, t_last, rows),
         ((ops.params, ops.consts), ops.x), u)
     return g_params, g_consts, _zero_rows(steps == 0, g), g_x
 

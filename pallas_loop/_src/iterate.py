@@ -47,6 +47,7 @@ def iterate(
     sort_rows: bool = True,
     return_info: bool = False,
     per_example: bool = False,
+    step_index: bool = False,
 ) -> Any:
   """Applies `step` to each row of `h0` its own number of times.
 
@@ -84,12 +85,12 @@ def iterate(
       caps every row.
     min_iters: int (static or traced): no halting before this many steps.
     key: a JAX PRNG key (`jax.random.key(...)` or a legacy uint32[2] key) or
-      None. With a key, `step` is called as `step(params, h, x, k)` where k
-      is uint32 [rows, 2]: row i's key at its step t (0-based) is
+      None. With a key, `step` gets the keyword argument `key`, uint32
+      [rows, 2]: row i's key at its step t (0-based) is
       `pallas_loop.random.step_keys(key_data(key), i, t)`, a pure function
       of (key, i, t) with i the row's index in this batch, so results do not
       depend on the implementation, tiling or row order. Draw with
-      `pallas_loop.random.uniform/normal/bernoulli/dropout(k, shape)`
+      `pallas_loop.random.uniform/normal/bernoulli/dropout(key, shape)`
       (jax.random does not lower inside the Triton kernel).
     grad: the gradient mode: "full" (= `Full()`: exact, checkpointed, memory
       O(sqrt(max_iters))), `Truncated(k)` (through each row's last k steps),
@@ -114,6 +115,18 @@ def iterate(
       it; `iterate` vmaps it over the rows, so rows are independent by
       construction (no `testing.check_row_independence` needed). `halt`
       still sees all rows.
+    step_index: `step` also gets the keyword argument `index`, the int32
+      scalar number of steps the rows it is applied to have applied before
+      (0 at the first step). Rows start together, so every row applying a
+      step at the same trip shares it: stacked per-step parameters
+      `[max_iters, ...]` are read as `params[index]` (a dynamic slice, not a
+      gather), e.g. a Universal Transformer with untied layers or a
+      step-dependent schedule.
+
+  The step's extras are keyword arguments, passed only when asked for:
+  `step(params, h, x)`, `step(params, h, x, key=k)`,
+  `step(params, h, x, index=t)` or `step(params, h, x, key=k, index=t)`;
+  `def step(params, h, x, *, key, index)` takes both.
 
   Returns:
     The final state, with the structure, shapes and dtypes of `h0`; with
@@ -141,19 +154,21 @@ def iterate(
     # hoisted operands (an integer one: it gets no gradient).
     words = random_lib.key_data(key).reshape(1, 2)
     keys = lambda t, rows: random_lib.step_keys(words, rows, t)
+  step_index = validation.check_step_index(step_index)
   if per_example:
-    step = step_fn_lib.vmapped(step, keyed=key is not None)
-  body = step_fn_lib.with_halt(step, halt, keys)
+    step = step_fn_lib.vmapped(step)
+  body = step_fn_lib.with_halt(step, halt, keys, indexed=step_index)
   try:
     consts, (h_shape, flag_shape) = step_fn_lib.trace_step(body, params, h0, x)
   except (TypeError, ValueError, IndexError) as e:  # say what to do, where we can
-    clearer = row_checks.explain_trace_error(e, h0, keyed=key is not None)
+    clearer = (step_fn_lib.explain_extras_error(e, keyed=key is not None, indexed=step_index)
+               or row_checks.explain_trace_error(e, h0, keyed=key is not None))
     if clearer is None:
       raise
     raise clearer from e
   step_fn_lib.check_step_output(h_shape, h0)
   step_fn_lib.check_halt_output(flag_shape, batch)
-  fn = step_fn_lib.StepFn(body, tuple(consts))
+  fn = step_fn_lib.StepFn(body, tuple(consts), indexed=step_index)
 
   # The residual is only computed when it is returned.
   ctx = grad_modes.Context(

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 from jax import tree_util
+from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 import numpy as np
 
@@ -71,6 +72,26 @@ class LoadOnUse:
   def load(self) -> jax.Array:
     return self.ref[...].reshape(self.shape)
 
+  def load_leading_slice(self, start: Any, size: int) -> jax.Array | None:
+    """`lax.dynamic_slice` of the leading axis (the others whole), read from
+    the ref alone: `params[index]` of stacked per-step weights [T, ...]
+    loads one step's weights, not all T. None when the ref is not stored in
+    the operand's own shape (1-D and 0-d operands travel reshaped)."""
+    if tuple(self.ref.shape) != self.shape:
+      return None
+    # dynamic_slice clamps the start into range; a ref read does not.
+    start = jax.numpy.clip(start, 0, self.shape[0] - size)
+    return self.ref[(pl.ds(start, size),) + (slice(None),) * (len(self.shape) - 1)]
+
+
+def _leading_slice_of_load(eqn: Any, operand: Any, read: Callable[[Any], Any]) -> Any:
+  """`eqn` (a dynamic_slice) on a `LoadOnUse` operand, read as one slice of
+  its ref, or None where that does not apply (a slice of trailing axes)."""
+  sizes = tuple(eqn.params["slice_sizes"])
+  if sizes[1:] != operand.shape[1:]:
+    return None
+  return operand.load_leading_slice(read(eqn.invars[1]), sizes[0])
+
 
 def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
                sinks: dict[int, Callable[[Any], Any]] | None = None,
@@ -118,6 +139,14 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
       env[eqn.outvars[0]] = split(read(eqn.invars[0]))
       flush(eqn.outvars[0])
       continue
+    operand = (env.get(eqn.invars[0]) if eqn.invars
+               and not isinstance(eqn.invars[0], jex_core.Literal) else None)
+    if eqn.primitive.name == "dynamic_slice" and isinstance(operand, LoadOnUse):
+      sliced = _leading_slice_of_load(eqn, operand, read)
+      if sliced is not None:
+        env[eqn.outvars[0]] = sliced
+        flush(eqn.outvars[0])
+        continue
     invals = [read(v) for v in eqn.invars]
     sub = eqn.params.get("jaxpr")
     if eqn.primitive.name in _INLINED and isinstance(sub, jex_core.ClosedJaxpr):

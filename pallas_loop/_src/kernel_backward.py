@@ -78,7 +78,7 @@ tree_util.register_pytree_node(RefBuffer, lambda s: ((), s), lambda s, _: s)
 tree_util.register_pytree_node(RefSum, lambda s: ((), s), lambda s, _: s)
 
 
-def _float_vjp(step, shared, h, x, t, rows, ct, acc_shared: RefSum, acc_x: RefSum, *,
+def _float_vjp(step, shared, h, x, t, rows, index, ct, acc_shared: RefSum, acc_x: RefSum, *,
                rules: jaxpr_eval.Rules, plain_step):
   """The step's VJP w.r.t. the float leaves only, with single-dtype dots
   (`jaxpr_eval.py`: Triton rejects mixed-dtype dots), each shared-operand and
@@ -111,7 +111,7 @@ def _float_vjp(step, shared, h, x, t, rows, ct, acc_shared: RefSum, acc_x: RefSu
   evaluate = lambda vjp_fn, floats, ct_: jaxpr_eval.call_with_matched_dots(
       vjp_fn, floats, ct_, sinks=sinks, rules=rules)
   _, d_h, _ = loop_reverse.vjp_of_floats(
-      lambda s_, h_, x_: plain_step(s_, h_, x_, t, rows), (shared, h, x),
+      lambda s_, h_, x_: plain_step(s_, h_, x_, t, rows, index), (shared, h, x),
       loop_reverse.float_leaves(ct), evaluate=evaluate)
   return loop_reverse.with_integer_zeros(d_h, h), acc_shared, acc_x
 
@@ -158,16 +158,17 @@ def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):
   h = tree_util.tree_unflatten(h_tree, [r[...] for r in h_refs])
   g = tree_util.tree_unflatten(h_tree, [r[...] for r in g_refs])
 
-  def step(shared, h, x, t, rows, rules=wp.config.eval_rules):
+  def step(shared, h, x, t, rows, index, rules=wp.config.eval_rules):
     params, consts = shared
-    return wp.tile.traced.apply(consts, params, h, x, t, rows, rules=rules)[0]
+    return wp.tile.traced.apply(consts, params, h, x, t, rows, index, rules=rules)[0]
 
   g_h, _, _ = loop_reverse.reverse_window(
       step, shared, h, x, t0_ref[...], n_ref[...], rows_ref[...], g, every=every,
       ckpt=RefBuffer(ckpt_refs, h_tree), seg=RefBuffer(seg_refs, h_tree),
       acc_shared=RefSum(g_shared_refs), acc_x=RefSum(g_x_refs),
       vjp=functools.partial(_float_vjp, rules=wp.config.eval_rules,
-                            plain_step=functools.partial(step, rules=None)))
+                            plain_step=functools.partial(step, rules=None)),
+      aligned=wp.aligned)
   for r, leaf in zip(g_h_refs, tree_util.tree_leaves(g_h)):
     r[...] = leaf.astype(r.dtype)
 
@@ -185,6 +186,8 @@ class WindowPlan:
     shared_shapes: true shapes of params leaves then the traced constants.
     shared_float/x_float: which of those (and of x's leaves) get gradients.
     problems: violated backend rules; empty when the kernel can run.
+    aligned: the rows' windows run on one clock (`loop_reverse.reverse_window`),
+      for a step that takes its scalar step index.
   """
 
   tile: kernel.TilePlan
@@ -196,6 +199,7 @@ class WindowPlan:
   shared_float: tuple[bool, ...]
   x_float: tuple[bool, ...]
   problems: tuple[str, ...]
+  aligned: bool = False
 
 
 def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
@@ -232,16 +236,15 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every)
     blocks.append(backend_lib.Block(f"per-tile gradient #{i}", (1,) + kernel.shared_2d(a),
                                     (padded // tb,) + kernel.shared_2d(a), row_axis=None))
 
-  def vjp_of_step(shared, h, x, t, rows, g):
-    params, consts = shared
-    f = lambda s_, h_, x_: tile.traced.apply(s_[1], s_[0], h_, x_, t, rows)[0]
-    return jax.vjp(f, (params, consts), h, x)[1](g)
+  def vjp_of_step(shared, h, x, t, rows, index, g):
+    f = lambda s_, h_, x_: tile.traced.apply(s_[1], s_[0], h_, x_, t, rows, index)[0]
+    return loop_reverse.vjp_of_floats(f, (shared, h, x), loop_reverse.float_leaves(g))
 
   avals = functools.partial(step_fn_lib.avals, rows=tb)
   column = jax.ShapeDtypeStruct((tb, 1), np.int32)
   jaxpr = jax.make_jaxpr(vjp_of_step)(
-      (params, list(tile.traced.const_values)), avals(h), avals(x), column, column,
-      avals(h)).jaxpr
+      (params, list(tile.traced.const_values)), avals(h), avals(x),
+      *step_fn_lib.row_index_avals(avals(h)), avals(h)).jaxpr
   problems = (list(tile.problems) + backend.block_problems(blocks)
               + backend_lib.unsupported_primitive_problems(backend, jaxpr)
               + backend.extra_problems(jaxpr))
@@ -264,7 +267,7 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every)
       shared_shapes=tuple(np.shape(a) for a in shared),
       shared_float=tuple(loop_reverse.is_float(a) for a in shared),
       x_float=tuple(loop_reverse.is_float(a) for a in tree_util.tree_leaves(x)),
-      problems=tuple(dict.fromkeys(problems + config_problems)))
+      problems=tuple(dict.fromkeys(problems + config_problems)), aligned=step_fn.indexed)
 
 
 def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool) -> Gradients:

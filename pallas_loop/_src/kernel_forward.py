@@ -69,13 +69,15 @@ def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_r
   residual_ref, steps_ref, halted_ref = next(it), next(it), next(it)
 
   on_chip = spec.config.shared_on_chip
-  params = tree_util.tree_unflatten(
-      params_tree, shared_loader(params_refs, spec.param_shapes, on_chip))
-  consts = shared_loader(const_refs, spec.const_shapes, on_chip)
+  shared = shared_loader(params_refs + const_refs, spec.param_shapes + spec.const_shapes,
+                         on_chip, spec.sliced)
+  params = tree_util.tree_unflatten(params_tree, shared[:n_params])
+  consts = shared[n_params:]
   x = tree_util.tree_unflatten(x_tree, [r[...] for r in x_refs])
   h = tree_util.tree_unflatten(h_tree, [r[...] for r in h_refs])
   rules = spec.config.eval_rules
-  body = lambda p, h, x, t, rows: spec.traced.apply(consts, p, h, x, t, rows, rules=rules)
+  body = lambda p, h, x, t, rows, index: spec.traced.apply(consts, p, h, x, t, rows, index,
+                                                          rules=rules)
   state = loop_lib.run_loop(body, params, h, x, counts_ref[...], rows_ref[...], halting,
                            elems_per_row, residual)
   for ref, leaf in zip(h_out_refs, tree_util.tree_leaves(state.h)):
@@ -98,6 +100,8 @@ class TilePlan:
     config: the backend's configuration (None when no configuration fits).
     footprint: what one program holds on chip (`footprint.Footprint`).
     problems: violated backend rules; empty when the kernel can run.
+    sliced: positions among the shared operands (params leaves, then
+      constants) read one leading slice at a time (`params[index]`).
   """
 
   backend: backend_lib.Backend
@@ -109,6 +113,7 @@ class TilePlan:
   config: backend_lib.KernelConfig | None
   footprint: footprint_lib.Footprint | None
   problems: tuple[str, ...]
+  sliced: frozenset[int] = frozenset()
 
 
 def shared_2d(a) -> tuple[int, ...]:
@@ -135,15 +140,17 @@ def full_spec(a) -> pl.BlockSpec:
   return pl.BlockSpec(a.shape, lambda i: (0,) * len(a.shape))
 
 
-def shared_loader(refs, shapes, on_chip: bool) -> list:
+def shared_loader(refs, shapes, on_chip: bool, sliced: frozenset[int] = frozenset()) -> list:
   """The shared operands as the step sees them inside a kernel.
 
   `on_chip`: loaded now, once (held across the loop); else a
-  `jaxpr_eval.LoadOnUse` per operand, read where each use needs it.
+  `jaxpr_eval.LoadOnUse` per operand, read where each use needs it. The
+  operands in `sliced` (positions: stacked per-step weights the step reads
+  as `params[index]`, `backend.leading_slices`) are always read on use, one
+  step's slice at a time.
   """
-  if on_chip:
-    return [r[...].reshape(s) for r, s in zip(refs, shapes)]
-  return [jaxpr_eval.LoadOnUse(r, s) for r, s in zip(refs, shapes)]
+  return [jaxpr_eval.LoadOnUse(r, s) if i in sliced or not on_chip else r[...].reshape(s)
+          for i, (r, s) in enumerate(zip(refs, shapes))]
 
 
 def configured(backend, batch: int, block_rows, plan_at):
@@ -186,8 +193,11 @@ def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given) -> TilePlan:
   for i, c in enumerate(traced.const_values):
     blocks.append(backend_lib.Block(f"an array step closes over (#{i})",
                                     shared_2d(c), shared_2d(c), row_axis=None))
+  n_params = len(tree_util.tree_leaves(params))
+  sliced, slice_eqns = backend_lib.leading_slices(
+      traced.jaxpr, traced.jaxpr.invars[:n_params] + traced.jaxpr.constvars)
   problems = (backend.block_problems(blocks)
-              + backend_lib.unsupported_primitive_problems(backend, traced.jaxpr)
+              + backend_lib.unsupported_primitive_problems(backend, traced.jaxpr, slice_eqns)
               + backend.extra_problems(traced.jaxpr))
   shared = list(tree_util.tree_leaves(params)) + list(traced.const_values)
   # Row blocks: h in and out, x, and four [TB, 1] columns (counts, rows, stats).
@@ -203,7 +213,8 @@ def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given) -> TilePlan:
       backend=backend, block_rows=tb, rows=padded, traced=traced,
       param_shapes=tuple(np.shape(a) for a in tree_util.tree_leaves(params)),
       const_shapes=tuple(np.shape(c) for c in traced.const_values),
-      config=config, footprint=fp, problems=tuple(problems + config_problems))
+      config=config, footprint=fp, problems=tuple(problems + config_problems),
+      sliced=frozenset(sliced))
 
 
 def run(tile_plan: TilePlan, ops: LoopOperands, *, sort_rows: bool,

@@ -120,8 +120,9 @@ def run_loop(body: Callable[..., Any], params: Any, h: Any, x: Any, counts: jax.
   """Runs `body` on the rows until none is running.
 
   Args:
-    body: body(params, h, x, t, rows) -> (h_new, flag); t, rows int32 [R, 1]
-      (step index, row's index in the caller's batch); flag is None or bool
+    body: body(params, h, x, t, rows, index) -> (h_new, flag); t, rows int32
+      [R, 1] (step index, row's index in the caller's batch), index the int32
+      scalar step index (every row is at step `index`); flag is None or bool
       [R]/[R, 1] (the user's halt criterion evaluated on this update).
     params, h, x: operands; h/x leaves [R, ...].
     counts: int32 [R, 1], the step budgets, already in [0, max_iters].
@@ -149,7 +150,7 @@ def run_loop(body: Callable[..., Any], params: Any, h: Any, x: Any, counts: jax.
   def step(carry: tuple[jax.Array, LoopState]) -> tuple[jax.Array, LoopState]:
     t, s = carry
     running = running_rows(t, s)
-    h_new, flag = body(params, s.h, x, jnp.broadcast_to(t, counts.shape), rows)
+    h_new, flag = body(params, s.h, x, jnp.broadcast_to(t, counts.shape), rows, t)
     return t + 1, apply_update(s, running, t, h_new, flag, halting, elems_per_row, residual)
 
   init = LoopState(h, jnp.zeros(counts.shape, jnp.float32),

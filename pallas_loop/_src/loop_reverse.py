@@ -132,7 +132,7 @@ def vjp_of_floats(fn: Callable[..., Any], args: tuple[Any, ...], ct_floats: list
 
 
 def step_vjp(step: Callable, shared: Any, h: Any, x: Any, t: jax.Array, rows: jax.Array,
-             ct: Any, acc_shared: Any, acc_x: Any) -> tuple[Any, Any, Any]:
+             index: jax.Array, ct: Any, acc_shared: Any, acc_x: Any) -> tuple[Any, Any, Any]:
   """The VJP of `step` at (shared, h, x) for `ct`, summed into the accumulators.
 
   Only float leaves are differentiated; integer state leaves get zero
@@ -141,7 +141,7 @@ def step_vjp(step: Callable, shared: Any, h: Any, x: Any, t: jax.Array, rows: ja
   Returns:
     (d_h, acc_shared + d_shared, acc_x + d_x).
   """
-  d_shared, d_h, d_x = vjp_of_floats(lambda s_, h_, x_: step(s_, h_, x_, t, rows),
+  d_shared, d_h, d_x = vjp_of_floats(lambda s_, h_, x_: step(s_, h_, x_, t, rows, index),
                                      (shared, h, x), float_leaves(ct))
   return with_integer_zeros(d_h, h), acc_shared.add(d_shared), acc_x.add(d_x)
 
@@ -169,12 +169,14 @@ def _counted_loop(lo: int | jax.Array, hi: int | jax.Array,
 
 def reverse_window(step: Callable, shared: Any, h_start: Any, x: Any, t0: jax.Array,
                    n: jax.Array, rows: jax.Array, g: Any, *, every: int, ckpt: Any, seg: Any,
-                   acc_shared: Any, acc_x: Any,
-                   vjp: Callable = step_vjp) -> tuple[Any, Any, Any]:
+                   acc_shared: Any, acc_x: Any, vjp: Callable = step_vjp,
+                   aligned: bool = False) -> tuple[Any, Any, Any]:
   """The VJP of each row's window of steps, checkpointed.
 
   Args:
-    step: step(shared, h, x, t, rows) -> h_new (row independent).
+    step: step(shared, h, x, t, rows, index) -> h_new (row independent); t
+      int32 [R, 1] each row's step index, index the int32 scalar one (valid
+      when `aligned`).
     shared: the differentiable shared operands.
     h_start, x: leaves [R, ...]: each row's state at the window's start, inputs.
     t0, n: int32 [R, 1]: each row's first step index and window length.
@@ -185,20 +187,42 @@ def reverse_window(step: Callable, shared: Any, h_start: Any, x: Any, t0: jax.Ar
       ceil(max(n) / C) states; seg: a buffer with at least C states.
     acc_shared, acc_x: accumulators (`add(tree) -> accumulator`) for the
       shared-operand and input gradients (float32).
-    vjp: vjp(step, shared, h, x, t, rows, ct, acc_shared, acc_x) -> (d_h,
-      acc_shared, acc_x): the step's VJP with its shared-operand and input
-      gradients added to the accumulators (`step_vjp`).
+    vjp: vjp(step, shared, h, x, t, rows, index, ct, acc_shared, acc_x) ->
+      (d_h, acc_shared, acc_x): the step's VJP with its shared-operand and
+      input gradients added to the accumulators (`step_vjp`).
+    aligned: run the rows' windows on one clock, for a step that takes one
+      scalar step index for all its rows: window step w is step `lo + w` of
+      every row (lo: the earliest first step among the rows), and a row
+      applies it when it lies in the row's own window. Rows whose windows
+      start later wait (frozen, their cotangent passed through), so the loop
+      is up to max(t0 + n) - lo trips long instead of max(n). Without it,
+      window step w is step `t0 + w` of each row.
 
   Returns:
     (g_h_start, acc_shared, acc_x).
   """
-  n_max = jnp.max(n)
+  if aligned:
+    # Rows without a window neither count for `lo` nor ever apply a step.
+    lo = jnp.min(jnp.where(n > 0, t0, jnp.iinfo(jnp.int32).max))
+    lo = jnp.where(jnp.max(n) > 0, lo, 0)
+    start = jnp.where(n > 0, t0 - lo, 0)
+  else:
+    lo, start = jnp.int32(0), jnp.zeros_like(n)
+  end = start + n
+  n_max = jnp.max(end)
   n_seg = (n_max + every - 1) // every
 
+  def clock(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(active [R, 1], t [R, 1], index) at window step w."""
+    active = (w >= start) & (w < end)
+    if aligned:
+      return active, jnp.broadcast_to(lo + w, n.shape), lo + w
+    return active, t0 + w, w  # the scalar index is not used: rows differ
+
   def advance(h: Any, w: jax.Array) -> Any:
-    """The state after window step w (rows past their window stay put)."""
-    active = w < n
-    h_new = step(shared, h, x, t0 + w, rows)
+    """The state after window step w (rows outside their window stay put)."""
+    active, t, index = clock(w)
+    h_new = step(shared, h, x, t, rows, index)
     return loop_lib.select_rows(active, h_new, h)
 
   def checkpoint_segment(s: jax.Array, carry: tuple[Any, Any]) -> tuple[Any, Any]:
@@ -228,9 +252,9 @@ def reverse_window(step: Callable, shared: Any, h_start: Any, x: Any, t0: jax.Ar
       g, acc_shared, acc_x = c
       j = length - 1 - jj
       w = first + j
-      active = w < n
+      active, t, index = clock(w)
       masked = loop_lib.select_rows(active, g, tree_util.tree_map(jnp.zeros_like, g))
-      d_h, acc_shared, acc_x = vjp(step, shared, seg.read(j), x, t0 + w, rows, masked,
+      d_h, acc_shared, acc_x = vjp(step, shared, seg.read(j), x, t, rows, index, masked,
                                    acc_shared, acc_x)
       return loop_lib.select_rows(active, d_h, g), acc_shared, acc_x
 

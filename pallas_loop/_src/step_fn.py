@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import jax
 from jax import tree_util
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_loop._src import jaxpr_eval
@@ -41,40 +42,77 @@ def _describe(struct) -> str:
 
 
 def row_index_avals(h):
-  """Avals of the body's `t` and `rows` operands for a state `h` ([R, ...])."""
+  """Avals of the body's `t`, `rows` and `index` operands for a state `h`
+  ([R, ...]): int32 [R, 1], [R, 1] and a scalar."""
   rows = tree_util.tree_leaves(h)[0].shape[0]
   column = jax.ShapeDtypeStruct((rows, 1), np.int32)
-  return column, column
+  return column, column, jax.ShapeDtypeStruct((), np.int32)
 
 
-def vmapped(step: Callable, keyed: bool) -> Callable:
-  """A per-example `step(params, h, x[, key])` as a step over rows (vmapped
-  over the leading axis of h, x and the per-row key; params shared)."""
+def extras(keys: Callable | None, indexed: bool, t, rows, index) -> dict[str, Any]:
+  """The keyword arguments `step` receives beside (params, h, x): `key`
+  (the per-row keys, with `key=`) and `index` (with `step_index=True`)."""
+  out: dict[str, Any] = {}
+  if keys is not None:
+    out["key"] = keys(t, rows)
+  if indexed:
+    out["index"] = index
+  return out
 
-  def batched(params, h, x, *key):
-    in_axes = (None, 0, 0) + ((0,) if keyed else ())
-    return jax.vmap(step, in_axes=in_axes)(params, h, x, *key)
+
+def explain_extras_error(error: Exception, *, keyed: bool, indexed: bool) -> Exception | None:
+  """A clear error when `step` does not take the keyword extras it is given
+  (`key=`, `index=`), e.g. a step written for the old positional key; or None."""
+  text = str(error)
+  if not isinstance(error, TypeError):
+    return None
+  for name, given in (("key", keyed), ("index", indexed)):
+    if given and f"unexpected keyword argument '{name}'" in text:
+      flag = "key=..." if name == "key" else "step_index=True"
+      return TypeError(
+          f"step must accept `{name}` as a keyword argument: with {flag}, iterate calls "
+          f"step(params, h, x, {name}=...), e.g. `def step(params, h, x, *, {name}):`. "
+          "(Before pallas_loop 0.2 the key was the 4th positional argument: rename that "
+          "parameter to `key`.)")
+  if keyed and "required positional argument" in text:
+    return TypeError(
+        "step takes a 4th positional argument, but its extras come as keywords: write "
+        "`def step(params, h, x, *, key):` (with key=...) and/or `index` (with "
+        "step_index=True). Before pallas_loop 0.2 the key was the 4th positional argument.")
+  return None
+
+
+def vmapped(step: Callable) -> Callable:
+  """A per-example `step(params, h, x, **extras)` as a step over rows
+  (vmapped over the leading axis of h, x and the per-row `key`; params and
+  the step `index` shared)."""
+
+  def batched(params, h, x, **extra):
+    keyed = {k: v for k, v in extra.items() if k == "key"}
+    shared = {k: v for k, v in extra.items() if k != "key"}
+    one_row = lambda h_, x_, keyed_: step(params, h_, x_, **keyed_, **shared)
+    return jax.vmap(one_row)(h, x, keyed)
 
   return batched
 
 
 def with_halt(step: Callable, halt: Callable | None,
-              keys: Callable | None = None) -> Callable:
-  """The loop body: `(params, h, x, t, rows) -> (h_new, flag)`.
+              keys: Callable | None = None, indexed: bool = False) -> Callable:
+  """The loop body: `(params, h, x, t, rows, index) -> (h_new, flag)`.
 
   `t` and `rows` are int32 [R, 1]: each row's step index (0-based) and its
-  index in the caller's batch. They matter only with `keys`
-  (`keys(t, rows) -> per-row key`, passed to `step` as its 4th argument); the
-  flag is `halt(...)` or None. Tracing step and criterion as one function
-  hoists both one's closed-over arrays (the key data among them), and lets
-  the kernel evaluate the criterion on the fresh update.
+  index in the caller's batch; `index` is the int32 scalar step index that
+  every row of the call shares (callers that run rows at different steps
+  pass any value and never use an `indexed` body so, see
+  `StepFn.new_state_per_row`). They reach `step` as its keyword extras
+  (`extras`): `key=keys(t, rows)` with `keys`, `index=index` when `indexed`.
+  The flag is `halt(...)` or None. Tracing step and criterion as one
+  function hoists both one's closed-over arrays (the key data among them),
+  and lets the kernel evaluate the criterion on the fresh update.
   """
 
-  def body(params, h, x, t, rows):
-    if keys is None:
-      h_new = step(params, h, x)
-    else:
-      h_new = step(params, h, x, keys(t, rows))
+  def body(params, h, x, t, rows, index):
+    h_new = step(params, h, x, **extras(keys, indexed, t, rows, index))
     return h_new, (None if halt is None else halt(params, h_new, h, x))
 
   return body
@@ -146,14 +184,14 @@ class SpecializedStep:
   out_tree: Any
   sources: tuple = ()
 
-  def apply(self, const_values, params, h, x, t, rows, *, rules=None):
+  def apply(self, const_values, params, h, x, t, rows, index, *, rules=None):
     """Evaluates the traced step; `const_values` may be loaded kernel refs.
 
     `rules` (inside kernels: a `jaxpr_eval.Rules`) evaluates it with every
     dot's operands in one dtype, which Triton requires, and the backend's
     rewrites; None evaluates the jaxpr as it is.
     """
-    flat = tree_util.tree_leaves((params, h, x, t, rows))
+    flat = tree_util.tree_leaves((params, h, x, t, rows, index))
     if rules is not None:
       out = jaxpr_eval.eval_jaxpr(self.jaxpr, list(const_values), flat, rules=rules)
     else:
@@ -171,6 +209,7 @@ class StepFn:
 
   step: Callable
   outer_consts: tuple
+  indexed: bool = False  # the step takes its step index (`step_index=True`)
 
   def specialize(self, params, consts, h, x) -> SpecializedStep:
     """Traces `step` at the shapes of `h`/`x` and maps its captured arrays."""
@@ -191,11 +230,25 @@ class StepFn:
     return SpecializedStep(closed.jaxpr, tuple(values),
                            tree_util.tree_structure(out_shape), tuple(sources))
 
-  def __call__(self, params, consts, h, x, t, rows):
+  def __call__(self, params, consts, h, x, t, rows, index):
     spec = self.specialize(params, consts, h, x)
-    return spec.apply(spec.const_values, params, h, x, t, rows)
+    return spec.apply(spec.const_values, params, h, x, t, rows, index)
 
-  def new_state(self, shared, h, x, t, rows):
+  def new_state(self, shared, h, x, t, rows, index):
     """The step's new state alone, with `shared = (params, consts)` as one
     operand: the function the backwards differentiate."""
-    return self(shared[0], shared[1], h, x, t, rows)[0]
+    return self(shared[0], shared[1], h, x, t, rows, index)[0]
+
+  def new_state_per_row(self, shared, h, x, t, rows):
+    """`new_state` for rows at different steps `t` (int32 [R, 1]).
+
+    A step that takes its scalar index is applied one row at a time
+    (vmapped, so each row gets its own index: `params[index]` becomes a
+    gather); any other step is applied to the rows at once.
+    """
+    if not self.indexed:
+      return self.new_state(shared, h, x, t, rows, jnp.int32(0))
+    one_row = lambda h_, x_, t_, r_: tree_util.tree_map(
+        lambda a: a[0], self.new_state(shared, *tree_util.tree_map(
+            lambda a: a[None], (h_, x_, t_, r_)), t_[0]))
+    return jax.vmap(one_row)(h, x, t, rows)

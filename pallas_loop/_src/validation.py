@@ -44,6 +44,14 @@ def _dtype(a):
   return jnp.result_type(a)
 
 
+def check_step_index(step_index: Any) -> bool:
+  """`step_index` as a Python bool (it changes how `step` is called)."""
+  if not isinstance(step_index, bool):
+    raise TypeError(f"step_index must be True or False, got {step_index!r}: with True, "
+                    "step is called as step(params, h, x, index=t), t the int32 step index.")
+  return step_index
+
+
 def check_max_iters(max_iters: Any) -> int:
   """`max_iters` as a Python int >= 0 (it sizes buffers at trace time)."""
   try:

@@ -117,7 +117,7 @@ def backward(step_fn: step_fn_lib.StepFn, ops: WindowOperands, *, window: int,
         step_fn.new_state, shared, h, x, t0[:, None], n[:, None], ids[:, None], g, every=every,
         ckpt=ArrayBuffer.zeros(loop_reverse.checkpoint_slots(window, every), h),
         seg=ArrayBuffer.zeros(every, h),
-        acc_shared=ArraySum.zeros(shared), acc_x=ArraySum.zeros(x))
+        acc_shared=ArraySum.zeros(shared), acc_x=ArraySum.zeros(x), aligned=step_fn.indexed)
     return g_h, acc_shared.total, acc_x.total
 
   def on_groups(per_row: tuple[Any, ...], n: jax.Array) -> tuple[tuple[Any, Any], Any]:

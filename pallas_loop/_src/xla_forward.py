@@ -174,7 +174,7 @@ def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: in
     running = _running(s, t)
     # Each row's step index is the trip counter (a running row has applied
     # t steps); its batch index travels with it (random keys depend on both).
-    h_new, flag = body(params, s.h, s.x, jnp.broadcast_to(t, (size, 1)), s.rows)
+    h_new, flag = body(params, s.h, s.x, jnp.broadcast_to(t, (size, 1)), s.rows, t)
     s = loop_lib.apply_update(s, running, t, h_new, flag, halting, elems_per_row, residual)
     return t + 1, s
 
@@ -193,8 +193,9 @@ def forward(body: Callable[..., Any], ops: LoopOperands, residual: bool = True) 
   """Runs each row to its budget or halting, computing only running rows.
 
   Args:
-    body: body(params, h, x, t, rows) -> (h_new, flag), row independent;
-      t, rows int32 [R, 1] (step index, index in the caller's batch); flag is
+    body: body(params, h, x, t, rows, index) -> (h_new, flag), row
+      independent; t, rows int32 [R, 1] (step index, index in the caller's
+      batch), index the int32 scalar step index of the trip; flag is
       None or bool [R]/[R, 1] (the user's halt criterion on this update).
       Takes the caller's consts itself (`ops.consts` is not used here).
     ops: the loop's operands (h0/x leaves [B, ...]).
@@ -205,7 +206,7 @@ def forward(body: Callable[..., Any], ops: LoopOperands, residual: bool = True) 
 
   Example:
     >>> from pallas_loop._src.operands import LoopOperands
-    >>> body = lambda p, h, x, t, rows: (2 * h, None)
+    >>> body = lambda p, h, x, t, rows, index: (2 * h, None)
     >>> ops = LoopOperands(None, [], jnp.ones((3, 2)), None, jnp.array([1, 0, 2]),
     ...                    jnp.arange(3, dtype=jnp.int32), None)
     >>> forward(body, ops).h

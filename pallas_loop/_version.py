@@ -1,3 +1,3 @@
 """The one version source (read by pyproject.toml and by `pallas_loop.__version__`)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,6 +1,6 @@
 """Per-(row, step) random numbers that work inside Pallas kernels and in XLA.
 
-With `iterate(..., key=k)`, `step(params, h, x, key)` receives `key`: uint32
+With `iterate(..., key=k)`, `step(params, h, x, key=...)` receives `key`: uint32
 [R, 2], one Threefry key per row of the tile, derived by `step_keys` from
 (`k`, the row's index in the caller's batch, the step index). The samplers
 here turn such a per-row key into values of any shape with the row axis first:

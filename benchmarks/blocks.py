@@ -105,6 +105,13 @@ def deq(params, h, x):
   return jnp.tanh(_mm(h, w) + _mm(x, u)).astype(h.dtype)
 
 
+def untied_rnn(params, h, x, *, index):
+  """A tanh RNN with a different layer per step (untied, `step_index=True`):
+  h <- tanh(h W[index] + x U + b[index]), W [UNTIED_LAYERS, D, D]. 4 D^2."""
+  w, u, b = params
+  return jnp.tanh(_mm(h, w[index]) + _mm(x, u) + b[index].astype(jnp.float32)).astype(h.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Block:
   """A block with what benchmarks need to count its work."""
@@ -121,11 +128,13 @@ BLOCKS = {
     "residual_mlp_ln": Block("residual_mlp_ln", residual_mlp_ln, lambda d: 16 * d * d),
     "deq": Block("deq", deq, lambda d: 4 * d * d),
     "gru": Block("gru", gru, lambda d: 12 * d * d),
+    "untied_rnn": Block("untied_rnn", untied_rnn, lambda d: 4 * d * d),
     "transformer": Block("transformer", transformer,
                          lambda d: SEQ_LEN * 24 * d * d + 4 * SEQ_LEN * SEQ_LEN * d),
 }
 
 SEQ_LEN = 8  # tokens per row of the transformer block
+UNTIED_LAYERS = 16  # per-step layers of the untied RNN: its max_iters at most this
 
 
 def make(name: str, batch: int, d: int, dtype=jnp.float32, key=None):
@@ -139,6 +148,9 @@ def make(name: str, batch: int, d: int, dtype=jnp.float32, key=None):
   if name == "tanh_rnn":
     params = (normal(keys[2], (d, d)), normal(keys[3], (d, d)),
               (0.1 * jax.random.normal(keys[4], (d,), jnp.float32)).astype(dtype))
+  elif name == "untied_rnn":
+    params = (normal(keys[2], (UNTIED_LAYERS, d, d)), normal(keys[3], (d, d)),
+              (0.1 * jax.random.normal(keys[4], (UNTIED_LAYERS, d), jnp.float32)).astype(dtype))
   elif name == "residual_mlp":
     # Small residual branch: 64 steps stay O(1).
     params = (normal(keys[2], (d, 4 * d)), (0.05 * normal(keys[3], (4 * d, d))).astype(dtype))

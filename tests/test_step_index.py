@@ -156,3 +156,31 @@ def test_step_index_errors():
     pallas_loop.iterate(_untied, params, h0, x, max_iters=2, step_index=1)
   with pytest.raises(TypeError, match="step must accept `key` as a keyword argument"):
     pallas_loop.iterate(lambda p, h, x, k: h, None, h0, x, max_iters=2, key=jax.random.key(0))
+
+
+def test_the_kernel_reads_one_steps_weights_per_step():
+  """Stacked per-step weights [T, D, D] are read as [1, D, D] slices of
+  their ref inside every platform's kernel, never whole."""
+  from benchmarks import blocks  # pylint: disable=g-import-not-at-top
+
+  step, params, h0, x = blocks.make("untied_rnn", 64, 32, jnp.bfloat16)
+  n = jnp.arange(64, dtype=jnp.int32) % (blocks.UNTIED_LAYERS + 1)
+  run = lambda p: pallas_loop.iterate(step, p, h0, x, iters=n, max_iters=blocks.UNTIED_LAYERS,
+                                      step_index=True, implementation="pallas")
+  oracle.assert_trees_close(run(params), reference.iterate(
+      step, params, h0, x, iters=n, max_iters=blocks.UNTIED_LAYERS, step_index=True))
+
+  def eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+      yield eqn
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        yield from eqns(sub)
+
+  kernels = [e.params["jaxpr"] for e in eqns(jax.make_jaxpr(run)(params).jaxpr)
+             if e.primitive.name == "pallas_call"]
+  assert len(kernels) >= 2  # the interpreter's and the GPU/TPU kernels' bodies
+  for kernel in kernels:
+    reads = [tuple(v.aval.shape) for e in eqns(kernel) if e.primitive.name == "get"
+             for v in e.outvars]
+    assert (1, 32, 32) in reads and (1, 32) in reads, reads
+    assert (blocks.UNTIED_LAYERS, 32, 32) not in reads, reads

@@ -3,6 +3,7 @@
     pip install -e ".[compile-check]"
     python -m benchmarks.compile_check               # the quick matrix, every target
     python -m benchmarks.compile_check --full        # the whole matrix
+    python -m benchmarks.compile_check --sample 12   # CI: the quick matrix + 12 rotating cases
     python -m benchmarks.compile_check --targets h200 --out report.jsonl --markdown report.md
 
 Export only proves that Pallas emitted a kernel; this runs the compilers the
@@ -38,6 +39,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import re
@@ -129,6 +131,45 @@ def matrix(full: bool, targets) -> list[Case]:
                 Case(target, "gru", 128, "bfloat16", "implicit", keyed=True, tol=True),
                 Case(target, "lstm", 128, "bfloat16", "forward", block_rows=32)]
   return cases
+
+
+def sample(targets, n: int, seed: str) -> list[Case]:
+  """The rotating part of CI's compile check: `n` cases from outside the quick matrix.
+
+  Per target, the full matrix's cases that the quick matrix lacks are ordered
+  by the SHA-256 of `seed`, the target and the label, and the first taken:
+  n // len(targets) per target, one more for the first n % len(targets)
+  targets. CI seeds with the commit hash, so each commit compiles its own
+  fixed sample and, over successive commits, every case comes round.
+
+  Args:
+    targets: target names (keys of `TARGETS`).
+    n: how many cases in all.
+    seed: any string; the same seed gives the same cases.
+
+  Returns:
+    The chosen cases, target by target.
+
+  Examples:
+    >>> picked = sample(["h200", "v5e"], 3, seed="abc")
+    >>> [c.target for c in picked], picked == sample(["h200", "v5e"], 3, seed="abc")
+    (['h200', 'h200', 'v5e'], True)
+    >>> any(c in matrix(False, ["h200", "v5e"]) for c in picked)
+    False
+  """
+  chosen = []
+  for i, target in enumerate(targets):
+    quick = set(matrix(False, [target]))
+    rest = [c for c in matrix(True, [target]) if c not in quick]
+    rest.sort(key=lambda c: hashlib.sha256(f"{seed}|{target}|{c.label}".encode()).hexdigest())
+    chosen += rest[:n // len(targets) + (i < n % len(targets))]
+  return chosen
+
+
+def _commit() -> str:
+  """The repository's HEAD commit (the default sample seed)."""
+  return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                        text=True, check=True).stdout.strip()
 
 
 # --- The worker: one case, in its own process --------------------------------
@@ -535,6 +576,11 @@ def markdown(results: list[dict]) -> str:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--full", action="store_true", help="the whole matrix")
+  parser.add_argument("--sample", type=int, default=0,
+                      help="add this many cases of the full matrix beyond the quick one, "
+                           "chosen by --seed (what CI runs)")
+  parser.add_argument("--seed", default=None,
+                      help="the sample's seed (default: the git commit, so CI rotates)")
   parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated")
   parser.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
   parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case")
@@ -552,9 +598,16 @@ def main(argv=None) -> int:
   unknown = sorted(set(targets) - set(TARGETS))
   if unknown:
     parser.error(f"unknown targets {unknown}; known: {sorted(TARGETS)}")
+  if args.full and args.sample:
+    parser.error("--sample adds to the quick matrix; --full already has every case")
   cases = matrix(args.full, targets)
-  print(f"compile_check: {len(cases)} cases on {', '.join(targets)} "
-        f"({'full' if args.full else 'quick'} matrix), {args.jobs} at a time", flush=True)
+  what = "full matrix" if args.full else "quick matrix"
+  if args.sample:
+    seed = args.seed if args.seed is not None else _commit()
+    cases += sample(targets, args.sample, seed)
+    what += f" + {args.sample} sampled with --seed {seed}"
+  print(f"compile_check: {len(cases)} cases on {', '.join(targets)} ({what}), "
+        f"{args.jobs} at a time", flush=True)
   out = open(args.out, "w") if args.out else None
   results, failed = [], 0
   start = time.perf_counter()

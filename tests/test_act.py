@@ -316,3 +316,51 @@ def test_grad_sweep(case, impl, max_steps, batch):
   got = jax.jit(jax.grad(loss(via_iterate), argnums=(0, 1, 2)))(params, s0, x)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=5e-5, atol=5e-6)
+
+
+# ---------------------------------------------------------------------------
+# The kernels lower for GPU and TPU (export only: no accelerator needed)
+# ---------------------------------------------------------------------------
+
+
+def wide_example_block(p, s, x):
+  """Triton-friendly per-example block: dots of width >= 16, and the halting
+  head a row reduction (a dot with one output column would be too narrow)."""
+  s_new = jnp.tanh(jnp.dot(s, p["W"], preferred_element_type=jnp.float32) + x)
+  y = jnp.dot(s_new, p["V"], preferred_element_type=jnp.float32)
+  return s_new, y, jax.nn.sigmoid(jnp.sum(s_new * p["wh"], axis=-1))
+
+
+def wide_token_block(p, s, x):
+  """Attention over the row's tokens: dots with a batch (row) dimension."""
+  att = jax.nn.softmax(jnp.einsum("rtd,rsd->rts", s, s), axis=-1)
+  s_new = jnp.tanh(jnp.einsum("rts,rsd->rtd", att, s) + x)
+  return s_new, s_new, jax.nn.sigmoid(jnp.sum(s_new * p["wh"], axis=-1))
+
+
+@pytest.mark.parametrize("platform,case", [("cuda", "per_example"), ("tpu", "per_example"),
+                                           ("tpu", "per_token")])
+def test_kernels_lower(platform, case):
+  """Forward and backward kernels of an ACT step export for the platform. (The
+  per-token block's batched dots do not lower with Pallas Triton in JAX 0.11.2:
+  export fails inside JAX's Triton lowering, so on GPU run such a block
+  with implementation="xla".)"""
+  from tests import lowering
+  width, tokens, batch = 32, 16, 64
+  k = jax.random.split(jax.random.key(0), 3)
+  params = {"W": 0.2 * jax.random.normal(k[0], (width, width)),
+            "V": 0.2 * jax.random.normal(k[1], (width, width)),
+            "wh": 0.2 * jax.random.normal(k[2], (width,))}
+  block = wide_example_block if case == "per_example" else wide_token_block
+  lead = (batch,) if case == "per_example" else (batch, tokens)
+  s0, x = jnp.zeros(lead + (width,)), jnp.ones(lead + (width,))
+  a = halting.act(block, max_steps=8)
+  h0 = a.init(params, s0, x)
+
+  def loss(params, h0, x):
+    h = pallas_loop.iterate(a.step, params, h0, x, max_iters=a.max_steps, halt=a.halt,
+                            implementation="pallas", interpret=False)
+    return jnp.sum(h.output) + jnp.sum(h.ponder_cost)
+
+  text = lowering.export_text(jax.grad(loss), params, h0, x, platform=platform)
+  assert text.count(lowering.kernel_marker(platform)) == 2      # forward and backward

@@ -112,14 +112,16 @@ def leading_slices(jaxpr: jex_core.Jaxpr, shared: Sequence[Any]) -> tuple[set[in
   for eqn in jaxpr.eqns:
     if eqn.primitive.name != "dynamic_slice" or eqn.invars[0] not in where:
       continue
-    if tuple(eqn.params["slice_sizes"])[1:] == tuple(eqn.invars[0].aval.shape)[1:]:
+    shape = tuple(getattr(eqn.invars[0].aval, "shape", ()))
+    if tuple(eqn.params["slice_sizes"])[1:] == shape[1:]:
       positions.add(where[eqn.invars[0]])
       eqns.add(id(eqn))
   return positions, eqns
 
 
 def unsupported_primitive_problems(backend: Backend, jaxpr: jex_core.Jaxpr,
-                                   read_from_refs: set[int] = frozenset()) -> list[str]:
+                                   read_from_refs: frozenset[int] | set[int] = frozenset()
+                                   ) -> list[str]:
   """Names the primitives of `jaxpr` that `backend` has no lowering for
   (the equations in `read_from_refs`, ids, are ref reads: see
   `leading_slices`)."""

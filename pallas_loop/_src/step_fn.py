@@ -248,7 +248,10 @@ class StepFn:
     """
     if not self.indexed:
       return self.new_state(shared, h, x, t, rows, jnp.int32(0))
-    one_row = lambda h_, x_, t_, r_: tree_util.tree_map(
-        lambda a: a[0], self.new_state(shared, *tree_util.tree_map(
-            lambda a: a[None], (h_, x_, t_, r_)), t_[0]))
+    def one_row(h_, x_, t_, r_):
+      tile = lambda a: a[None]  # the row as a tile of one
+      h_new = self.new_state(shared, tree_util.tree_map(tile, h_), tree_util.tree_map(tile, x_),
+                             t_[None], r_[None], t_[0])
+      return tree_util.tree_map(lambda a: a[0], h_new)
+
     return jax.vmap(one_row)(h, x, t, rows)

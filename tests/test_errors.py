@@ -233,7 +233,9 @@ def test_jax_random_works_on_one_rows_key_with_per_example():
   keys = pallas_loop.random.step_keys(pallas_loop.random.key_data(jax.random.key(0)).reshape(1, 2),
                                       jnp.arange(4)[:, None], jnp.zeros((4, 1), jnp.int32))
   want = jax.vmap(lambda k: jax.random.normal(k, (3,)))(keys)
-  np.testing.assert_array_equal(out, want)
+  # Equal up to float32 rounding: XLA may fuse the sampler differently in the
+  # loop than in this vmap (JAX 0.12 differs in the last bit).
+  np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
 
 
 # --------------------------------------------------------- row mixing, by op

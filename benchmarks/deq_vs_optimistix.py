@@ -28,15 +28,14 @@ in the max norm, set here to atol = tol), at least as strict as the rms one.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_loop import deq
+from pallas_loop import tuning
 
 DX = 16
 
@@ -95,16 +94,6 @@ def optimistix_solver(name: str, tol: float, max_steps: int):
   return jax.vmap(solve_row, in_axes=(None, 0))
 
 
-def _median_time(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def run(rows: int = 256, dim: int = 32, repeats: int = 20, tol: float = 1e-5,
         max_steps: int = 100) -> list[dict]:
   """Times every solver on the same problem; returns one dict per solver."""
@@ -119,8 +108,8 @@ def run(rows: int = 256, dim: int = 32, repeats: int = 20, tol: float = 1e-5,
     h, steps, converged = forward(params, x)
     residual = np.sqrt(np.mean(np.square(np.asarray(layer(params, h, x) - h)), axis=-1))
     results.append(dict(
-        name=name, forward_s=_median_time(forward, params, x, repeats=repeats),
-        grad_s=_median_time(grad, params, x, repeats=repeats), steps=np.asarray(steps),
+        name=name, forward_s=tuning.median_seconds(forward, params, x, repeats=repeats),
+        grad_s=tuning.median_seconds(grad, params, x, repeats=repeats), steps=np.asarray(steps),
         converged=np.asarray(converged), residual=float(residual.max()),
         grad=grad(params, x)))
   return results

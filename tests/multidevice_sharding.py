@@ -30,13 +30,12 @@ import numpy as np
 import pallas_loop
 from pallas_loop import _reference as reference
 from tests import cases
+from tests import hlo
 from tests import oracle
 
 B, D, MAX_ITERS = 48, 3, 5
 DEVICES = 8
 IMPLS = tuple(cases.IMPLEMENTATIONS)
-COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter",
-               "all-reduce")
 
 
 def setUpModule():
@@ -66,17 +65,6 @@ def _loss(run, params, h0, x, n):
   return jnp.sum(weights * out)
 
 
-def _collectives(compiled_text: str) -> dict[str, list[str]]:
-  """The HLO instructions of each collective kind in a compiled module."""
-  found = {}
-  for kind in COLLECTIVES:
-    lines = [l.strip() for l in compiled_text.splitlines()
-             if re.search(rf"\s{kind}(-start)?\(", l)]
-    if lines:
-      found[kind] = lines
-  return found
-
-
 def _row_mesh():
   return jax.make_mesh((DEVICES,), ("rows",))
 
@@ -103,7 +91,7 @@ class ShardedRowsTest(parameterized.TestCase):
     assert got.sharding.spec == P("rows", None), got.sharding
 
     text = forward.lower(params, s_h0, s_x, s_n).compile().as_text()
-    assert _collectives(text) == {}, _collectives(text)
+    assert hlo.collectives(text) == {}, hlo.collectives(text)
     # Each device holds and iterates its own 6 rows (padded to 8 for tiles of
     # 4); the global [48, 3] state never exists on a device.
     assert f"f32[{B // 8},{D}]" in text
@@ -117,7 +105,7 @@ class ShardedRowsTest(parameterized.TestCase):
     assert g_h0.sharding.spec == P("rows", None) and g_x.sharding.spec == P("rows", None)
 
     text = grads.lower(params, s_h0, s_x, s_n).compile().as_text()
-    found = _collectives(text)
+    found = hlo.collectives(text)
     # The only communication: the parameter gradients summed over the mesh
     # (one all-reduce; XLA may combine w's and b's into one tuple-shaped op).
     assert set(found) == {"all-reduce"}, found
@@ -164,7 +152,7 @@ class ShardedRowsTest(parameterized.TestCase):
     oracle.assert_trees_close(
         got, reference.iterate(_step, params, h0, x, iters=n, max_iters=MAX_ITERS))
     assert got.sharding.spec == P(("data", "model"), None)
-    assert _collectives(f.lower(params, s_h0, s_x, s_n).compile().as_text()) == {}
+    assert hlo.collectives(f.lower(params, s_h0, s_x, s_n).compile().as_text()) == {}
 
   def test_vmap_over_an_unsharded_axis_keeps_rows_per_shard(self):
     params, h0, x, n = _inputs(3)
@@ -183,7 +171,7 @@ class ShardedRowsTest(parameterized.TestCase):
                                                 max_iters=MAX_ITERS))(stacked)
     oracle.assert_trees_close(got, want)
     assert got.sharding.spec == P(None, "rows", None)
-    assert _collectives(f.lower(s_stacked, s_x, s_n).compile().as_text()) == {}
+    assert hlo.collectives(f.lower(s_stacked, s_x, s_n).compile().as_text()) == {}
 
   def test_replicated_inputs_on_a_mesh_run_unsharded(self):
     params, h0, x, n = _inputs(4)
@@ -208,7 +196,7 @@ class ShardedRowsTest(parameterized.TestCase):
     oracle.assert_trees_close(
         got, reference.iterate(_step, params, h0, x, iters=n, max_iters=MAX_ITERS))
     assert got.sharding.spec == P("rows", None)
-    assert _collectives(f.lower(s_h0, s_x).compile().as_text()) == {}
+    assert hlo.collectives(f.lower(s_h0, s_x).compile().as_text()) == {}
 
   def test_auto_axes_warn_and_explicit_axes_is_the_way_out(self):
     params, h0, x, n = _inputs(5)
@@ -229,7 +217,7 @@ class ShardedRowsTest(parameterized.TestCase):
       text = f.lower(s_h0, s_x, s_n).compile().as_text()
     oracle.assert_trees_close(
         got, reference.iterate(_step, params, h0, x, iters=n, max_iters=MAX_ITERS))
-    assert _collectives(text) == {}, _collectives(text)
+    assert hlo.collectives(text) == {}, hlo.collectives(text)
 
   def test_auto_axes_xla_implementation_warns_and_is_correct(self):
     """With Auto axes the XLA loop cannot be split by rows either (it orders the
@@ -260,7 +248,7 @@ class ShardedRowsTest(parameterized.TestCase):
         params, h0, x, n)
     oracle.assert_trees_close(got, want, what="gradients")
     assert got[1].sharding.spec == P("data", None)
-    found = _collectives(grads.lower(params, s_h0, s_x, s_n).compile().as_text())
+    found = hlo.collectives(grads.lower(params, s_h0, s_x, s_n).compile().as_text())
     assert set(found) == {"all-reduce"}, found
 
   def test_eager_call_with_a_numpy_input(self):

@@ -37,7 +37,6 @@ from __future__ import annotations
 import faulthandler
 import functools
 import os
-import re
 
 from absl import flags
 from absl.testing import absltest
@@ -52,6 +51,7 @@ import numpy as np
 import pallas_loop
 from pallas_loop import _reference as reference
 from tests import cases
+from tests import hlo
 from tests import oracle
 
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (0 runs the "
@@ -67,8 +67,6 @@ _CRASH_AFTER_INIT = flags.DEFINE_bool(
     "that the launcher stops the peers left waiting).")
 
 B, D, MAX_ITERS = 48, 3, 5
-COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter",
-               "all-reduce")
 # The implementations held to the reference. The kernel in TPU interpret
 # mode is left out: see docs/sharding.md, "Several hosts".
 IMPLS = ("xla", "pallas")
@@ -164,17 +162,6 @@ def _assert_shards_close(got: jax.Array, want: np.ndarray, what: str) -> None:
                               what=f"{what} rows {shard.index[0]}")
 
 
-def _collectives(compiled_text: str) -> dict[str, list[str]]:
-  """The HLO instructions of each collective kind in a compiled module."""
-  found = {}
-  for kind in COLLECTIVES:
-    lines = [l.strip() for l in compiled_text.splitlines()
-             if re.search(rf"\s{kind}(-start)?\(", l)]
-    if lines:
-      found[kind] = lines
-  return found
-
-
 def _loss(run, params, h0, x, n):
   out = run(_step, params, h0, x, iters=n, max_iters=MAX_ITERS)
   weights = jnp.sin(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
@@ -207,7 +194,7 @@ class ShardedOverProcessesTest(parameterized.TestCase):
     _assert_shards_close(got, np.asarray(alone), "forward")
     assert got.sharding.spec == P("rows", None), got.sharding
     text = forward.lower(g_params, g_h0, g_x, g_n).compile().as_text()
-    assert _collectives(text) == {}, _collectives(text)
+    assert hlo.collectives(text) == {}, hlo.collectives(text)
     assert f"f32[{B},{D}]" not in text  # no device ever holds the whole state
 
     grads = jax.jit(jax.grad(functools.partial(_loss, run), argnums=(0, 1, 2)))
@@ -227,7 +214,7 @@ class ShardedOverProcessesTest(parameterized.TestCase):
     # The one collective: the parameter gradients' all-reduce over the 8
     # devices. That it spans both processes is what makes got_p equal the
     # whole batch's gradient above (a per-process sum would miss half the rows).
-    found = _collectives(grads.lower(g_params, g_h0, g_x, g_n).compile().as_text())
+    found = hlo.collectives(grads.lower(g_params, g_h0, g_x, g_n).compile().as_text())
     assert set(found) == {"all-reduce"}, found
 
   def test_keys_truncated_gradient_halting_and_info(self):

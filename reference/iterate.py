@@ -54,6 +54,7 @@ def iterate(
     return_info: bool = False,
     per_example: bool = False,
     step_index: bool = False,
+    step_outputs: bool = False,
 ):
   """Applies `step` clip(iters[i], 0, max_iters) times to row i of `h0`.
 
@@ -87,9 +88,14 @@ def iterate(
     return_info: also return an `IterateInfo`.
     per_example: `step` is written for one row (vmapped over the rows here).
     step_index: pass `step` the scan step t (an int32 scalar) as `index=`.
+    step_outputs: `step` returns (h_new, y); the per-step outputs come back
+      stacked like `lax.scan`'s ys, [max_iters, B, ...], 0 where a row did
+      not apply that step (with `truncate`, the outputs of the steps before
+      a row's last k are `stop_gradient`-ed too).
 
   Returns:
-    The final state (and an `IterateInfo` with `return_info=True`).
+    The final state; `(h, ys)` with `step_outputs`; and an `IterateInfo`
+    last with `return_info=True`.
 
   Example:
     >>> import jax.numpy as jnp
@@ -110,22 +116,26 @@ def iterate(
       raise ValueError(f"truncate must be None or an int >= 1, got {truncate!r}.")
     # Which steps are the last k is known only once halting has run: find the
     # applied steps first (no gradient needed), then replay exactly them.
-    _, info = iterate(step, params, h0, x, iters=iters, max_iters=max_iters, tol=tol,
-                      halt=halt, min_iters=min_iters, key=key, return_info=True,
-                      step_index=step_index)
+    *_, info = iterate(step, params, h0, x, iters=iters, max_iters=max_iters, tol=tol,
+                       halt=halt, min_iters=min_iters, key=key, return_info=True,
+                       step_index=step_index, step_outputs=step_outputs)
     steps = lax.stop_gradient(info.steps)
-    h = _scan(step, params, h0, x, steps, max_iters, None, None, 0, key,
-              truncate=(steps, truncate), step_index=step_index)[0]
-    return (h, info) if return_info else h
-  h, residual, steps, halted = _scan(step, params, h0, x, iters, max_iters, tol, halt,
-                                     min_iters, key, truncate=None, step_index=step_index)
-  if not return_info:
-    return h
-  return h, IterateInfo(steps=steps, residual=lax.stop_gradient(residual), halted=halted)
+    h, _, _, _, ys = _scan(step, params, h0, x, steps, max_iters, None, None, 0, key,
+                           truncate=(steps, truncate), step_index=step_index,
+                           step_outputs=step_outputs)
+  else:
+    h, residual, steps, halted, ys = _scan(step, params, h0, x, iters, max_iters, tol, halt,
+                                           min_iters, key, truncate=None,
+                                           step_index=step_index, step_outputs=step_outputs)
+    info = IterateInfo(steps=steps, residual=lax.stop_gradient(residual), halted=halted)
+  result = (h, ys) if step_outputs else (h,)
+  if return_info:
+    result = result + (info,)
+  return result[0] if len(result) == 1 else result
 
 
 def _scan(step, params, h0, x, iters, max_iters, tol, halt, min_iters, key, truncate,
-          step_index):
+          step_index, step_outputs):
   """The masked scan; `truncate=(steps, k)` stops gradients before the last k."""
   leaves = jax.tree_util.tree_leaves(h0)
   batch = leaves[0].shape[0]
@@ -149,6 +159,9 @@ def _scan(step, params, h0, x, iters, max_iters, tol, halt, min_iters, key, trun
     if step_index:
       extra["index"] = t
     h_new = step(params, h, x, **extra)
+    y = None
+    if step_outputs:
+      h_new, y = h_new
     active = (t < n) & ~halted
     squares = sum(
         jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)).reshape(batch, -1), axis=1)
@@ -165,13 +178,15 @@ def _scan(step, params, h0, x, iters, max_iters, tol, halt, min_iters, key, trun
     if truncate is not None:
       applied, k = truncate
       frozen = t + 1 <= applied - k  # this step's result precedes the last k
-      h_new = jax.tree_util.tree_map(
-          lambda a: jnp.where(per_row(frozen, a), lax.stop_gradient(a), a), h_new)
+      h_new, y = jax.tree_util.tree_map(
+          lambda a: jnp.where(per_row(frozen, a), lax.stop_gradient(a), a), (h_new, y))
     h = jax.tree_util.tree_map(
         lambda new, old: jnp.where(per_row(active, old), new, old), h_new, h)
-    return (h, residual, steps, halted), None
+    y = jax.tree_util.tree_map(lambda a: jnp.where(per_row(active, a), a, jnp.zeros_like(a)), y)
+    return (h, residual, steps, halted), y
 
   init = (h0, jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.int32),
           jnp.zeros((batch,), bool))
-  (h, residual, steps, halted), _ = lax.scan(body, init, jnp.arange(max_iters, dtype=jnp.int32))
-  return h, residual, steps, halted
+  (h, residual, steps, halted), ys = lax.scan(body, init,
+                                              jnp.arange(max_iters, dtype=jnp.int32))
+  return h, residual, steps, halted, ys

@@ -14,6 +14,7 @@ it is lowered.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import jax
@@ -200,8 +201,21 @@ def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[...,
   return select
 
 
+# Per-step outputs run on the XLA implementation: the kernels do not write
+# them yet (a kernel plan with them declines with this reason).
+_NO_KERNEL_OUTPUTS = ("per-step outputs (step_outputs=True) run on the XLA implementation; "
+                      "the Pallas kernels do not stream them yet")
+
+
+def _without_outputs(plan: Any, step_fn: step_fn_lib.StepFn) -> Any:
+  """`plan`, declined when the step has per-step outputs."""
+  if not step_fn.outputs:
+    return plan
+  return dataclasses.replace(plan, problems=tuple(plan.problems) + (_NO_KERNEL_OUTPUTS,))
+
+
 def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *,
-               residual: bool = True) -> Callable[[LoopOperands], LoopOutputs]:
+               residual: bool = True, outputs: Any = None) -> Callable[[LoopOperands], LoopOutputs]:
   """The forward, LoopOperands -> LoopOutputs, on the lowering platform's
   kernel or in XLA (`xla_forward.forward`).
 
@@ -210,15 +224,16 @@ def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *,
     tiling: the caller's implementation and tiling options.
     residual: track each row's last residual (False when the caller does not
       ask for it: saves a reduction per step; the residual output is then 0).
+    outputs: the per-step outputs' buffer avals ([B, T, ...] leaves), or None.
   """
 
   def run_xla(ops: LoopOperands) -> LoopOutputs:
     body = lambda p, h, x, t, rows, index: step_fn(p, ops.consts, h, x, t, rows, index)
-    return xla_forward.forward(body, ops, residual)
+    return xla_forward.forward(body, ops, residual, outputs)
 
   def plan(backend: backend_lib.Backend, ops: LoopOperands) -> kernel_forward.TilePlan:
-    return kernel_forward.plan(backend, step_fn, ops.params, ops.consts, ops.h0, ops.x,
-                               tiling.block_rows)
+    return _without_outputs(kernel_forward.plan(
+        backend, step_fn, ops.params, ops.consts, ops.h0, ops.x, tiling.block_rows), step_fn)
 
   def run_kernel(p: kernel_forward.TilePlan, ops: LoopOperands) -> LoopOutputs:
     return kernel_forward.run(p, ops, sort_rows=tiling.sort_rows, residual=residual)
@@ -239,8 +254,9 @@ def window_fn(step_fn: step_fn_lib.StepFn,
       return xla_backward.backward(step_fn, ops, window=bound, every=every)
 
     def plan(backend: backend_lib.Backend, ops: WindowOperands) -> kernel_backward.WindowPlan:
-      return kernel_backward.plan(backend, step_fn, ops.params, ops.consts, ops.h_start, ops.x,
-                                  block_rows=tiling.block_rows, bound=bound, every=every)
+      return _without_outputs(kernel_backward.plan(
+          backend, step_fn, ops.params, ops.consts, ops.h_start, ops.x,
+          block_rows=tiling.block_rows, bound=bound, every=every), step_fn)
 
     def run_kernel(p: kernel_backward.WindowPlan, ops: WindowOperands) -> Gradients:
       return kernel_backward.run(p, ops, sort_rows=tiling.sort_rows)

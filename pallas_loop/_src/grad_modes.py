@@ -65,16 +65,20 @@ def _zero_rows(keep: jax.Array, tree):
   return loop_lib.select_rows(keep[:, None], tree, tree_util.tree_map(jnp.zeros_like, tree))
 
 
-def _last_steps_window(k: int, ctx: Context, saved: Saved, h_start: Any, g: Any) -> Gradients:
+def _last_steps_window(k: int, ctx: Context, saved: Saved, h_start: Any, g: Any,
+                       g_ys: Any = None) -> Gradients:
   """The VJP of each row's last min(k, steps) steps, started from `h_start`
-  (the state before them) with their own step indices."""
+  (the state before them) with their own step indices (and the cotangents
+  of those steps' outputs, `g_ys`, if any)."""
   ops, steps = saved.ops, saved.steps
   n = jnp.minimum(steps, k)
-  window = WindowOperands(ops.params, ops.consts, h_start, ops.x, steps - n, n, ops.row_ids, g)
-  # A step that takes its scalar index runs the windows on one clock
-  # (`loop_reverse.reverse_window(aligned=True)`): rows of a group then span
-  # up to max_iters trips, not k.
-  bound = ctx.max_iters if ctx.fn.indexed else min(k, ctx.max_iters)
+  window = WindowOperands(ops.params, ops.consts, h_start, ops.x, steps - n, n, ops.row_ids, g,
+                          g_ys)
+  # A step that takes its scalar index, or returns per-step outputs, runs the
+  # windows on one clock (`loop_reverse.reverse_window(aligned=True)`): rows
+  # of a group then span up to max_iters trips, not k.
+  aligned = ctx.fn.indexed or ctx.fn.outputs
+  bound = ctx.max_iters if aligned else min(k, ctx.max_iters)
   return ctx.window(window, bound, None)
 
 
@@ -87,6 +91,8 @@ class GradMode(abc.ABC):
 
   keeps_h0: ClassVar[bool]
   keeps_output: ClassVar[bool]
+  # Whether the mode defines the gradient of per-step outputs (`step_outputs`).
+  takes_outputs: ClassVar[bool] = False
 
   def saves(self, ops: LoopOperands, out: LoopOutputs) -> Saved:
     """The residuals of the custom_vjp."""
@@ -94,8 +100,9 @@ class GradMode(abc.ABC):
                  out.steps, out.h if self.keeps_output else None)
 
   @abc.abstractmethod
-  def backward(self, ctx: Context, saved: Saved, g) -> Gradients:
-    """Cotangents of (params, consts, h0, x) for the output cotangent `g`."""
+  def backward(self, ctx: Context, saved: Saved, g, g_ys=None) -> Gradients:
+    """Cotangents of (params, consts, h0, x) for the output cotangent `g`
+    (and `g_ys`, the per-step outputs' [B, T, ...], where `takes_outputs`)."""
 
   def reference_grad(self) -> dict[str, Any] | None:
     """The keyword arguments with which the oracle (`pallas_loop._reference`)
@@ -129,15 +136,16 @@ class Full(GradMode):
 
   keeps_h0 = True
   keeps_output = False
+  takes_outputs = True
 
   def __post_init__(self):
     if self.checkpoint_every is not None:
       validation.static_int("Full(checkpoint_every)", self.checkpoint_every, 1)
 
-  def backward(self, ctx: Context, saved: Saved, g) -> Gradients:
+  def backward(self, ctx: Context, saved: Saved, g, g_ys=None) -> Gradients:
     ops, steps = saved.ops, saved.steps
     window = WindowOperands(ops.params, ops.consts, ops.h0, ops.x, jnp.zeros_like(steps),
-                            steps, ops.row_ids, g)
+                            steps, ops.row_ids, g, g_ys)
     return ctx.window(window, ctx.max_iters, self.checkpoint_every)
 
   def reference_grad(self) -> dict[str, Any] | None:
@@ -173,16 +181,17 @@ class Truncated(GradMode):
 
   keeps_h0 = True
   keeps_output = False
+  takes_outputs = True
 
   def __post_init__(self):
     validation.static_int("Truncated(k)", self.k, 1)
 
-  def backward(self, ctx: Context, saved: Saved, g) -> Gradients:
+  def backward(self, ctx: Context, saved: Saved, g, g_ys=None) -> Gradients:
     ops, steps = saved.ops, saved.steps
     skipped = steps - jnp.minimum(steps, self.k)
     # The state before each row's last k steps: rerun the others, saving nothing.
     h_start = ctx.forward(ops._replace(counts=skipped, halting=None)).h
-    g_params, g_consts, g_start, g_x = _last_steps_window(self.k, ctx, saved, h_start, g)
+    g_params, g_consts, g_start, g_x = _last_steps_window(self.k, ctx, saved, h_start, g, g_ys)
     return g_params, g_consts, _zero_rows(skipped == 0, g_start), g_x
 
   def reference_grad(self) -> dict[str, Any] | None:
@@ -237,7 +246,7 @@ class Implicit(GradMode):
     if not self.tol > 0:
       raise ValueError(f"Implicit(tol) must be > 0, got {self.tol}.")
 
-  def backward(self, ctx: Context, saved: Saved, g) -> Gradients:
+  def backward(self, ctx: Context, saved: Saved, g, g_ys=None) -> Gradients:
     ops, steps, h_star = saved.ops, saved.steps, saved.h_out
     # Unless given, the adjoint solve halts like the forward and has its budget.
     budget = ctx.max_iters if self.max_iters is None else self.max_iters
@@ -308,7 +317,7 @@ class Phantom(GradMode):
   def __post_init__(self):
     validation.static_int("Phantom(k)", self.k, 1)
 
-  def backward(self, ctx: Context, saved: Saved, g) -> Gradients:
+  def backward(self, ctx: Context, saved: Saved, g, g_ys=None) -> Gradients:
     g_params, g_consts, _, g_x = _last_steps_window(self.k, ctx, saved, saved.h_out, g)
     return g_params, g_consts, _zero_rows(saved.steps == 0, g), g_x
 

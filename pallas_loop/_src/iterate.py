@@ -48,6 +48,7 @@ def iterate(
     return_info: bool = False,
     per_example: bool = False,
     step_index: bool = False,
+    step_outputs: bool = False,
 ) -> Any:
   """Applies `step` to each row of `h0` its own number of times.
 
@@ -155,11 +156,12 @@ def iterate(
     words = random_lib.key_data(key).reshape(1, 2)
     keys = lambda t, rows: random_lib.step_keys(words, rows, t)
   step_index = validation.check_step_index(step_index)
+  step_outputs = validation.check_step_outputs(step_outputs, mode)
   if per_example:
     step = step_fn_lib.vmapped(step)
-  body = step_fn_lib.with_halt(step, halt, keys, indexed=step_index)
+  body = step_fn_lib.with_halt(step, halt, keys, indexed=step_index, outputs=step_outputs)
   try:
-    consts, (h_shape, flag_shape) = step_fn_lib.trace_step(body, params, h0, x)
+    consts, (h_shape, y_shape, flag_shape) = step_fn_lib.trace_step(body, params, h0, x)
   except (TypeError, ValueError, IndexError) as e:  # say what to do, where we can
     clearer = (step_fn_lib.explain_extras_error(e, keyed=key is not None, indexed=step_index)
                or row_checks.explain_trace_error(e, h0, keyed=key is not None))
@@ -168,26 +170,33 @@ def iterate(
     raise clearer from e
   step_fn_lib.check_step_output(h_shape, h0)
   step_fn_lib.check_halt_output(flag_shape, batch)
-  fn = step_fn_lib.StepFn(body, tuple(consts), indexed=step_index)
+  # Per-step outputs travel row-major, [B, max_iters, ...], inside.
+  ys_avals = None if not step_outputs else step_fn_lib.output_buffer_avals(
+      y_shape, batch, max_iters)
+  fn = step_fn_lib.StepFn(body, tuple(consts), indexed=step_index, outputs=step_outputs)
 
   # The residual is only computed when it is returned.
   ctx = grad_modes.Context(
-      fn=fn, forward=dispatch.forward_fn(fn, tiling, residual=return_info),
+      fn=fn, forward=dispatch.forward_fn(fn, tiling, residual=return_info, outputs=ys_avals),
       window=dispatch.window_fn(fn, tiling), max_iters=max_iters,
       iterate=functools.partial(iterate, **tiling.as_kwargs()))
   # Rows sharded over explicit mesh axes: run the loop (differentiable) on
   # each device's own rows (`sharding.py`); else the loop itself.
-  loop = sharding.per_shard(_differentiable(mode, ctx, step_fn_lib.avals(h0)))
+  loop = sharding.per_shard(_differentiable(mode, ctx, step_fn_lib.avals(h0), ys_avals))
   out = loop(LoopOperands(params, consts, h0, x, counts,
                           jnp.arange(batch, dtype=jnp.int32), halting))
+  result = out.h
+  if step_outputs:  # stacked like lax.scan's ys: [max_iters, B, ...]
+    result = (out.h, tree_util.tree_map(lambda a: jnp.swapaxes(a, 0, 1), out.ys))
   if not return_info:
-    return out.h
-  return out.h, info_lib.IterateInfo(steps=out.steps, residual=lax.stop_gradient(out.residual),
-                                     halted=out.halted)
+    return result
+  info = info_lib.IterateInfo(steps=out.steps, residual=lax.stop_gradient(out.residual),
+                              halted=out.halted)
+  return (*result, info) if step_outputs else (result, info)
 
 
 def _differentiable(mode: grad_modes.GradMode, ctx: grad_modes.Context,
-                    h_avals: Any) -> Callable[[LoopOperands], LoopOutputs]:
+                    h_avals: Any, ys_avals: Any = None) -> Callable[[LoopOperands], LoopOutputs]:
   """`ctx.forward` with the backward of `mode`, as one custom_vjp.
 
   `h_avals` (the state's leaves' dtypes) translate between JAX's float0
@@ -206,10 +215,12 @@ def _differentiable(mode: grad_modes.GradMode, ctx: grad_modes.Context,
 
   def run_bwd(saved: grad_modes.Saved, cotangents: LoopOutputs) -> tuple[LoopOperands]:
     # Only the state is differentiated (residual, steps and halted are not).
-    g = tree_util.tree_map(
-        lambda c, a: c if loop_reverse.is_float(a) else jnp.zeros(c.shape, a.dtype),
-        cotangents.h, h_avals)
-    g_params, g_consts, g_h0, g_x = mode.backward(ctx, saved, g)
+    # Integer leaves' float0 cotangents as zeros of their dtype (state and
+    # per-step outputs alike).
+    as_zeros = lambda c, a: c if loop_reverse.is_float(a) else jnp.zeros(c.shape, a.dtype)
+    g = tree_util.tree_map(as_zeros, cotangents.h, h_avals)
+    g_ys = None if ys_avals is None else tree_util.tree_map(as_zeros, cotangents.ys, ys_avals)
+    g_params, g_consts, g_h0, g_x = mode.backward(ctx, saved, g, g_ys)
     g_h0 = tree_util.tree_map(lambda c, a: c if loop_reverse.is_float(a) else None,
                               g_h0, h_avals)
     return (LoopOperands(g_params, g_consts, g_h0, g_x, None, None, None),)

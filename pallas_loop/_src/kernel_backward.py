@@ -78,7 +78,7 @@ tree_util.register_pytree_node(RefBuffer, lambda s: ((), s), lambda s, _: s)
 tree_util.register_pytree_node(RefSum, lambda s: ((), s), lambda s, _: s)
 
 
-def _float_vjp(step, shared, h, x, t, rows, index, ct, acc_shared: RefSum, acc_x: RefSum, *,
+def _float_vjp(step, shared, h, x, t, rows, index, ct, ct_y, acc_shared: RefSum, acc_x: RefSum, *,
                rules: jaxpr_eval.Rules, plain_step):
   """The step's VJP w.r.t. the float leaves only, with single-dtype dots
   (`jaxpr_eval.py`: Triton rejects mixed-dtype dots), each shared-operand and
@@ -112,7 +112,7 @@ def _float_vjp(step, shared, h, x, t, rows, index, ct, acc_shared: RefSum, acc_x
       vjp_fn, floats, ct_, sinks=sinks, rules=rules)
   _, d_h, _ = loop_reverse.vjp_of_floats(
       lambda s_, h_, x_: plain_step(s_, h_, x_, t, rows, index), (shared, h, x),
-      loop_reverse.float_leaves(ct), evaluate=evaluate)
+      loop_reverse.float_leaves(ct) + loop_reverse.float_leaves(ct_y), evaluate=evaluate)
   return loop_reverse.with_integer_zeros(d_h, h), acc_shared, acc_x
 
 
@@ -160,7 +160,7 @@ def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):
 
   def step(shared, h, x, t, rows, index, rules=wp.config.eval_rules):
     params, consts = shared
-    return wp.tile.traced.apply(consts, params, h, x, t, rows, index, rules=rules)[0]
+    return wp.tile.traced.apply(consts, params, h, x, t, rows, index, rules=rules)[:2]
 
   g_h, _, _ = loop_reverse.reverse_window(
       step, shared, h, x, t0_ref[...], n_ref[...], rows_ref[...], g, every=every,

@@ -116,11 +116,13 @@ def apply_update(s: Any, running: jax.Array, t: jax.Array, h_new: Any, flag: jax
 
 def run_loop(body: Callable[..., Any], params: Any, h: Any, x: Any, counts: jax.Array,
              rows: jax.Array, halting: Halting | None, elems_per_row: int,
-             residual: bool = True) -> LoopState:
+             residual: bool = True,
+             write_output: Callable[[jax.Array, jax.Array, Any], None] | None = None
+             ) -> LoopState:
   """Runs `body` on the rows until none is running.
 
   Args:
-    body: body(params, h, x, t, rows, index) -> (h_new, flag); t, rows int32
+    body: body(params, h, x, t, rows, index) -> (h_new, y, flag); t, rows int32
       [R, 1] (step index, row's index in the caller's batch), index the int32
       scalar step index (every row is at step `index`); flag is None or bool
       [R]/[R, 1] (the user's halt criterion evaluated on this update).
@@ -130,6 +132,9 @@ def run_loop(body: Callable[..., Any], params: Any, h: Any, x: Any, counts: jax.
     halting: None (apply exactly `counts` steps) or the halting operands.
     elems_per_row: state elements per row, for the rms.
     residual: track each row's last residual (see `apply_update`).
+    write_output: write_output(t, running, y): stores the per-step output y
+      of trip t for the running rows (a side effect, e.g. into a kernel's
+      output ref), or None.
 
   Returns:
     The final `LoopState`.
@@ -150,7 +155,9 @@ def run_loop(body: Callable[..., Any], params: Any, h: Any, x: Any, counts: jax.
   def step(carry: tuple[jax.Array, LoopState]) -> tuple[jax.Array, LoopState]:
     t, s = carry
     running = running_rows(t, s)
-    h_new, flag = body(params, s.h, x, jnp.broadcast_to(t, counts.shape), rows, t)
+    h_new, y, flag = body(params, s.h, x, jnp.broadcast_to(t, counts.shape), rows, t)
+    if write_output is not None:
+      write_output(t, running, y)
     return t + 1, apply_update(s, running, t, h_new, flag, halting, elems_per_row, residual)
 
   init = LoopState(h, jnp.zeros(counts.shape, jnp.float32),

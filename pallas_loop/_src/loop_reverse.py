@@ -132,8 +132,11 @@ def vjp_of_floats(fn: Callable[..., Any], args: tuple[Any, ...], ct_floats: list
 
 
 def step_vjp(step: Callable, shared: Any, h: Any, x: Any, t: jax.Array, rows: jax.Array,
-             index: jax.Array, ct: Any, acc_shared: Any, acc_x: Any) -> tuple[Any, Any, Any]:
-  """The VJP of `step` at (shared, h, x) for `ct`, summed into the accumulators.
+             index: jax.Array, ct: Any, ct_y: Any, acc_shared: Any,
+             acc_x: Any) -> tuple[Any, Any, Any]:
+  """The VJP of `step` ((h_new, y)) at (shared, h, x) for the cotangents
+  (`ct`, `ct_y`; `ct_y` None without per-step outputs), summed into the
+  accumulators.
 
   Only float leaves are differentiated; integer state leaves get zero
   cotangents of their own dtype (`with_integer_zeros`).
@@ -142,7 +145,7 @@ def step_vjp(step: Callable, shared: Any, h: Any, x: Any, t: jax.Array, rows: ja
     (d_h, acc_shared + d_shared, acc_x + d_x).
   """
   d_shared, d_h, d_x = vjp_of_floats(lambda s_, h_, x_: step(s_, h_, x_, t, rows, index),
-                                     (shared, h, x), float_leaves(ct))
+                                     (shared, h, x), float_leaves(ct) + float_leaves(ct_y))
   return with_integer_zeros(d_h, h), acc_shared.add(d_shared), acc_x.add(d_x)
 
 
@@ -170,13 +173,14 @@ def _counted_loop(lo: int | jax.Array, hi: int | jax.Array,
 def reverse_window(step: Callable, shared: Any, h_start: Any, x: Any, t0: jax.Array,
                    n: jax.Array, rows: jax.Array, g: Any, *, every: int, ckpt: Any, seg: Any,
                    acc_shared: Any, acc_x: Any, vjp: Callable = step_vjp,
-                   aligned: bool = False) -> tuple[Any, Any, Any]:
+                   aligned: bool = False,
+                   g_ys_at: Callable[[jax.Array], Any] | None = None) -> tuple[Any, Any, Any]:
   """The VJP of each row's window of steps, checkpointed.
 
   Args:
-    step: step(shared, h, x, t, rows, index) -> h_new (row independent); t
-      int32 [R, 1] each row's step index, index the int32 scalar one (valid
-      when `aligned`).
+    step: step(shared, h, x, t, rows, index) -> (h_new, y) (row
+      independent; y the per-step output or None); t int32 [R, 1] each row's
+      step index, index the int32 scalar one (valid when `aligned`).
     shared: the differentiable shared operands.
     h_start, x: leaves [R, ...]: each row's state at the window's start, inputs.
     t0, n: int32 [R, 1]: each row's first step index and window length.
@@ -187,9 +191,10 @@ def reverse_window(step: Callable, shared: Any, h_start: Any, x: Any, t0: jax.Ar
       ceil(max(n) / C) states; seg: a buffer with at least C states.
     acc_shared, acc_x: accumulators (`add(tree) -> accumulator`) for the
       shared-operand and input gradients (float32).
-    vjp: vjp(step, shared, h, x, t, rows, index, ct, acc_shared, acc_x) ->
-      (d_h, acc_shared, acc_x): the step's VJP with its shared-operand and
-      input gradients added to the accumulators (`step_vjp`).
+    vjp: vjp(step, shared, h, x, t, rows, index, ct, ct_y, acc_shared,
+      acc_x) -> (d_h, acc_shared, acc_x): the step's VJP with its
+      shared-operand and input gradients added to the accumulators
+      (`step_vjp`).
     aligned: run the rows' windows on one clock, for a step that takes one
       scalar step index for all its rows: window step w is step `lo + w` of
       every row (lo: the earliest first step among the rows), and a row
@@ -197,6 +202,9 @@ def reverse_window(step: Callable, shared: Any, h_start: Any, x: Any, t0: jax.Ar
       start later wait (frozen, their cotangent passed through), so the loop
       is up to max(t0 + n) - lo trips long instead of max(n). Without it,
       window step w is step `t0 + w` of each row.
+    g_ys_at: g_ys_at(index) -> the cotangents of the per-step outputs of
+      step `index` ([R, ...] leaves; needs `aligned`), or None: no per-step
+      outputs.
 
   Returns:
     (g_h_start, acc_shared, acc_x).
@@ -222,7 +230,7 @@ def reverse_window(step: Callable, shared: Any, h_start: Any, x: Any, t0: jax.Ar
   def advance(h: Any, w: jax.Array) -> Any:
     """The state after window step w (rows outside their window stay put)."""
     active, t, index = clock(w)
-    h_new = step(shared, h, x, t, rows, index)
+    h_new = step(shared, h, x, t, rows, index)[0]
     return loop_lib.select_rows(active, h_new, h)
 
   def checkpoint_segment(s: jax.Array, carry: tuple[Any, Any]) -> tuple[Any, Any]:
@@ -253,9 +261,11 @@ def reverse_window(step: Callable, shared: Any, h_start: Any, x: Any, t0: jax.Ar
       j = length - 1 - jj
       w = first + j
       active, t, index = clock(w)
-      masked = loop_lib.select_rows(active, g, tree_util.tree_map(jnp.zeros_like, g))
-      d_h, acc_shared, acc_x = vjp(step, shared, seg.read(j), x, t, rows, index, masked,
-                                   acc_shared, acc_x)
+      zeros_where_idle = lambda tree: loop_lib.select_rows(
+          active, tree, tree_util.tree_map(jnp.zeros_like, tree))
+      ct_y = None if g_ys_at is None else zeros_where_idle(g_ys_at(index))
+      d_h, acc_shared, acc_x = vjp(step, shared, seg.read(j), x, t, rows, index,
+                                   zeros_where_idle(g), ct_y, acc_shared, acc_x)
       return loop_lib.select_rows(active, d_h, g), acc_shared, acc_x
 
     g, acc_shared, acc_x = _counted_loop(0, length, back, (g, acc_shared, acc_x))

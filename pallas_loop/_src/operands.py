@@ -50,6 +50,7 @@ class LoopOutputs(NamedTuple):
   residual: Any  # float32 [B]: rms of each row's last update
   steps: Any     # int32 [B]: steps applied
   halted: Any    # bool [B]: a criterion (not the budget) stopped the row
+  ys: Any = None  # pytree of [B, T, ...]: per-step outputs, or None
 
 
 class WindowOperands(NamedTuple):
@@ -65,6 +66,7 @@ class WindowOperands(NamedTuple):
   n: Any        # int32 [B]
   row_ids: Any  # int32 [B]
   g: Any        # pytree like h_start
+  g_ys: Any = None  # cotangents of the per-step outputs [B, T, ...], or None
 
 
 @dataclasses.dataclass(frozen=True)

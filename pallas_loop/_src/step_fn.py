@@ -97,8 +97,9 @@ def vmapped(step: Callable) -> Callable:
 
 
 def with_halt(step: Callable, halt: Callable | None,
-              keys: Callable | None = None, indexed: bool = False) -> Callable:
-  """The loop body: `(params, h, x, t, rows, index) -> (h_new, flag)`.
+              keys: Callable | None = None, indexed: bool = False,
+              outputs: bool = False) -> Callable:
+  """The loop body: `(params, h, x, t, rows, index) -> (h_new, y, flag)`.
 
   `t` and `rows` are int32 [R, 1]: each row's step index (0-based) and its
   index in the caller's batch; `index` is the int32 scalar step index that
@@ -106,14 +107,24 @@ def with_halt(step: Callable, halt: Callable | None,
   pass any value and never use an `indexed` body so, see
   `StepFn.new_state_per_row`). They reach `step` as its keyword extras
   (`extras`): `key=keys(t, rows)` with `keys`, `index=index` when `indexed`.
-  The flag is `halt(...)` or None. Tracing step and criterion as one
-  function hoists both one's closed-over arrays (the key data among them),
-  and lets the kernel evaluate the criterion on the fresh update.
+  `y` is the step's per-step output (with `outputs`: `step` returns
+  `(h_new, y)`), else None. The flag is `halt(...)` or None. Tracing step
+  and criterion as one function hoists both one's closed-over arrays (the
+  key data among them), and lets the kernel evaluate the criterion on the
+  fresh update.
   """
 
   def body(params, h, x, t, rows, index):
-    h_new = step(params, h, x, **extras(keys, indexed, t, rows, index))
-    return h_new, (None if halt is None else halt(params, h_new, h, x))
+    out = step(params, h, x, **extras(keys, indexed, t, rows, index))
+    if outputs:
+      if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            "with step_outputs=True, step must return a pair (h_new, y): the new state "
+            f"and this step's output; got {type(out).__name__}.")
+      h_new, y = out
+    else:
+      h_new, y = out, None
+    return h_new, y, (None if halt is None else halt(params, h_new, h, x))
 
   return body
 
@@ -129,6 +140,18 @@ def check_halt_output(flag_shape, batch: int) -> None:
         f"halt(params, h_new, h, x) must return bool[{batch}], one flag per row; "
         f"got {got}. Reduce over the non-row axes, e.g. "
         "jnp.max(jnp.abs(h_new - h), axis=-1) < 1e-3.")
+
+
+def output_buffer_avals(y_shape: Any, batch: int, max_iters: int) -> Any:
+  """The per-step outputs' buffers, [B, max_iters, ...] per leaf of `y`
+  (traced at [B, ...]); raises unless every leaf has the row axis."""
+  def buffer(path, leaf):
+    if not leaf.shape or leaf.shape[0] != batch:
+      raise TypeError(
+          f"step's per-step output y{tree_util.keystr(path)} is {_describe(leaf)}: every "
+          f"leaf of y needs the row axis first ([{batch}, ...] here), one output per row.")
+    return jax.ShapeDtypeStruct((batch, max_iters) + leaf.shape[1:], leaf.dtype)
+  return tree_util.tree_map_with_path(buffer, y_shape)
 
 
 def trace_step(step: Callable, params, h0, x):
@@ -210,6 +233,7 @@ class StepFn:
   step: Callable
   outer_consts: tuple
   indexed: bool = False  # the step takes its step index (`step_index=True`)
+  outputs: bool = False  # the step returns (h_new, y) (`step_outputs=True`)
 
   def specialize(self, params, consts, h, x) -> SpecializedStep:
     """Traces `step` at the shapes of `h`/`x` and maps its captured arrays."""
@@ -238,6 +262,10 @@ class StepFn:
     """The step's new state alone, with `shared = (params, consts)` as one
     operand: the function the backwards differentiate."""
     return self(shared[0], shared[1], h, x, t, rows, index)[0]
+
+  def new_state_and_output(self, shared, h, x, t, rows, index):
+    """(new state, per-step output or None), `shared` as in `new_state`."""
+    return self(shared[0], shared[1], h, x, t, rows, index)[:2]
 
   def new_state_per_row(self, shared, h, x, t, rows):
     """`new_state` for rows at different steps `t` (int32 [R, 1]).

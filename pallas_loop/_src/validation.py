@@ -52,6 +52,20 @@ def check_step_index(step_index: Any) -> bool:
   return step_index
 
 
+def check_step_outputs(step_outputs: Any, mode: Any) -> bool:
+  """`step_outputs` as a Python bool, with a gradient mode that defines the
+  outputs' gradient (`mode.takes_outputs`)."""
+  if not isinstance(step_outputs, bool):
+    raise TypeError(f"step_outputs must be True or False, got {step_outputs!r}: with True, "
+                    "step returns (h_new, y) and iterate returns (h, ys).")
+  if step_outputs and not mode.takes_outputs:
+    raise ValueError(
+        f"step_outputs=True is not supported with grad={mode!r}: the per-step outputs of a "
+        "fixed-point solve have no gradient under that mode. Use grad='full' or "
+        "pallas_loop.Truncated(k), or return the outputs you need from the final state.")
+  return step_outputs
+
+
 def check_max_iters(max_iters: Any) -> int:
   """`max_iters` as a Python int >= 0 (it sizes buffers at trace time)."""
   try:

@@ -112,12 +112,16 @@ def backward(step_fn: step_fn_lib.StepFn, ops: WindowOperands, *, window: int,
       lambda a: a.reshape((groups * size,) + a.shape[2:]), tree)
 
   def one_group(operands: tuple[Any, ...]) -> tuple[Any, Any, Any]:
-    h, x, g, t0, ids, n = operands
+    h, x, g, g_ys, t0, ids, n = operands
+    # Slot `index` of each row's output cotangents ([R, T, ...] leaves).
+    g_ys_at = None if g_ys is None else lambda index: tree_util.tree_map(
+        lambda a: lax.dynamic_index_in_dim(a, index, 1, keepdims=False), g_ys)
     g_h, acc_shared, acc_x = loop_reverse.reverse_window(
-        step_fn.new_state, shared, h, x, t0[:, None], n[:, None], ids[:, None], g, every=every,
-        ckpt=ArrayBuffer.zeros(loop_reverse.checkpoint_slots(window, every), h),
+        step_fn.new_state_and_output, shared, h, x, t0[:, None], n[:, None], ids[:, None], g,
+        every=every, ckpt=ArrayBuffer.zeros(loop_reverse.checkpoint_slots(window, every), h),
         seg=ArrayBuffer.zeros(every, h),
-        acc_shared=ArraySum.zeros(shared), acc_x=ArraySum.zeros(x), aligned=step_fn.indexed)
+        acc_shared=ArraySum.zeros(shared), acc_x=ArraySum.zeros(x),
+        aligned=step_fn.indexed or step_fn.outputs, g_ys_at=g_ys_at)
     return g_h, acc_shared.total, acc_x.total
 
   def on_groups(per_row: tuple[Any, ...], n: jax.Array) -> tuple[tuple[Any, Any], Any]:
@@ -125,7 +129,7 @@ def backward(step_fn: step_fn_lib.StepFn, ops: WindowOperands, *, window: int,
     return (merge(g_h), merge(g_x)), g_shared
 
   (g_h, g_x), g_shared = tiling.in_tiles(
-      on_groups, (ops.h_start, ops.x, ops.g, ops.t0, ops.row_ids), ops.n,
+      on_groups, (ops.h_start, ops.x, ops.g, ops.g_ys, ops.t0, ops.row_ids), ops.n,
       rows=groups * size, sort=True, must_be_finite=True)
   g_shared = tree_util.tree_map(lambda a: jnp.sum(a, axis=0), g_shared)
   g_params, g_consts = loop_reverse.cast_like(g_shared, shared)

@@ -113,6 +113,7 @@ class _Rows(NamedTuple):
   residual: jax.Array  # float32 [R, 1]
   steps: jax.Array     # int32 [R, 1]
   halted: jax.Array    # int32 [R, 1], 0/1
+  ys: Any = None       # leaves [R, T, ...]: per-step outputs (0 where not applied), or None
 
 
 def _prefix(tree, size: int):
@@ -159,6 +160,15 @@ def _compact(s: _Rows, t) -> _Rows:
   return tiling.take_rows(s, order)
 
 
+def _write_output(ys: Any, t: jax.Array, running: jax.Array, y: Any) -> Any:
+  """`ys` (leaves [R, T, ...]) with slot t set to y for the running rows."""
+  def write(buf, value):
+    old = lax.dynamic_index_in_dim(buf, t, 1, keepdims=False)
+    new = jnp.where(loop_lib.row_mask(running, old.shape), value.astype(buf.dtype), old)
+    return lax.dynamic_update_index_in_dim(buf, new, t, 1)
+  return tree_util.tree_map(write, ys, y)
+
+
 def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: int,
                residual: bool, ordered: bool):
   """Steps the rows of `s` while more than `until` of them are running
@@ -174,7 +184,9 @@ def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: in
     running = _running(s, t)
     # Each row's step index is the trip counter (a running row has applied
     # t steps); its batch index travels with it (random keys depend on both).
-    h_new, flag = body(params, s.h, s.x, jnp.broadcast_to(t, (size, 1)), s.rows, t)
+    h_new, y, flag = body(params, s.h, s.x, jnp.broadcast_to(t, (size, 1)), s.rows, t)
+    if s.ys is not None:
+      s = s._replace(ys=_write_output(s.ys, t, running, y))
     s = loop_lib.apply_update(s, running, t, h_new, flag, halting, elems_per_row, residual)
     return t + 1, s
 
@@ -189,24 +201,28 @@ def _run_stage(body, params, s: _Rows, t, until: int, halting, elems_per_row: in
   return t, s
 
 
-def forward(body: Callable[..., Any], ops: LoopOperands, residual: bool = True) -> LoopOutputs:
+def forward(body: Callable[..., Any], ops: LoopOperands, residual: bool = True,
+            outputs: Any = None) -> LoopOutputs:
   """Runs each row to its budget or halting, computing only running rows.
 
   Args:
-    body: body(params, h, x, t, rows, index) -> (h_new, flag), row
+    body: body(params, h, x, t, rows, index) -> (h_new, y, flag), row
       independent; t, rows int32 [R, 1] (step index, index in the caller's
       batch), index the int32 scalar step index of the trip; flag is
       None or bool [R]/[R, 1] (the user's halt criterion on this update).
       Takes the caller's consts itself (`ops.consts` is not used here).
     ops: the loop's operands (h0/x leaves [B, ...]).
     residual: track each row's last residual (else it is returned as 0).
+    outputs: None, or the per-step outputs' buffer avals: a pytree of
+      `ShapeDtypeStruct` [B, T, ...] (rows, steps, the output's own axes);
+      slot t of a row holds the output of its step t, 0 where not applied.
 
   Returns:
     The outputs, in the caller's row order.
 
   Example:
     >>> from pallas_loop._src.operands import LoopOperands
-    >>> body = lambda p, h, x, t, rows, index: (2 * h, None)
+    >>> body = lambda p, h, x, t, rows, index: (2 * h, None, None)
     >>> ops = LoopOperands(None, [], jnp.ones((3, 2)), None, jnp.array([1, 0, 2]),
     ...                    jnp.arange(3, dtype=jnp.int32), None)
     >>> forward(body, ops).h
@@ -225,7 +241,9 @@ def forward(body: Callable[..., Any], ops: LoopOperands, residual: bool = True) 
     s = _Rows(h=h0, x=x, counts=counts[:, None],
               order=jnp.arange(batch, dtype=jnp.int32)[:, None], rows=row_ids[:, None],
               residual=column(jnp.float32), steps=column(jnp.int32),
-              halted=column(jnp.int32))
+              halted=column(jnp.int32),
+              ys=None if outputs is None else tree_util.tree_map(
+                  lambda a: jnp.zeros(a.shape, a.dtype), outputs))
     t = jnp.int32(0)
     for k, size in enumerate(sizes):
       until = sizes[k + 1] if k + 1 < len(sizes) else 0
@@ -236,7 +254,7 @@ def forward(body: Callable[..., Any], ops: LoopOperands, residual: bool = True) 
         if halting is None:
           # Only the state and its statistics changed (no compaction): writing
           # back x and the row bookkeeping too would copy them for nothing.
-          changed = ("h", "residual", "steps", "halted")
+          changed = ("h", "residual", "steps", "halted") + (("ys",) if outputs else ())
           return t, s._replace(**_put_prefix({f: getattr(s, f) for f in changed},
                                              {f: getattr(sub, f) for f in changed}))
         return t, _put_prefix(s, sub)
@@ -249,7 +267,7 @@ def forward(body: Callable[..., Any], ops: LoopOperands, residual: bool = True) 
       # hoists out of its loop (e.g. x @ U of an RNN cell) then cost nothing.
       t, s = lax.cond(_runs_more_than(_prefix(s, size), t, until, halting), stage,
                       lambda t, s: (t, s), t, s)
-    out = (s.h, s.residual[:, 0], s.steps[:, 0], s.halted[:, 0])
+    out = (s.h, s.residual[:, 0], s.steps[:, 0], s.halted[:, 0], s.ys)
     if halting is not None:
       # Compaction moved rows: back to the order they came in.
       out = tiling.take_rows(out, tiling.inverse_permutation(s.order[:, 0]))
@@ -257,7 +275,7 @@ def forward(body: Callable[..., Any], ops: LoopOperands, residual: bool = True) 
 
   # Without halting the running rows are a prefix of rows ordered by count.
   # One stage runs every row to the end whatever their order: no sort.
-  (h, residual_out, steps, halted), _ = tiling.in_tiles(
+  (h, residual_out, steps, halted, ys), _ = tiling.in_tiles(
       on_sorted_rows, (ops.h0, ops.x, ops.row_ids), ops.counts, rows=batch,
       sort=len(sizes) > 1, must_be_finite=False)
-  return LoopOutputs(h, residual_out, steps, halted > 0)
+  return LoopOutputs(h, residual_out, steps, halted > 0, ys)

@@ -123,6 +123,14 @@ def iterate(
       `[max_iters, ...]` are read as `params[index]` (a dynamic slice, not a
       gather), e.g. a Universal Transformer with untied layers or a
       step-dependent schedule.
+    step_outputs: `step` returns `(h_new, y)`, `y` a pytree of [rows, ...]
+      arrays (a prediction, a halting probability), and `iterate` returns
+      the stacked outputs too, like `lax.scan`'s `ys`: [max_iters, B, ...]
+      per leaf, slot t holding the output of step t, 0 where the row did
+      not apply it. Differentiable with `grad="full"` and `Truncated(k)`
+      (there the outputs of steps before a row's last k get no gradient);
+      `Implicit` and `Phantom` raise. They run on the XLA implementation
+      (the kernels decline them, saying so).
 
   The step's extras are keyword arguments, passed only when asked for:
   `step(params, h, x)`, `step(params, h, x, key=k)`,
@@ -131,10 +139,11 @@ def iterate(
 
   Returns:
     The final state, with the structure, shapes and dtypes of `h0`; with
-    `return_info=True`, `(h, IterateInfo(steps, residual, halted))`: steps
-    applied, rms of the last update, and whether a criterion (not the
-    budget) stopped the row. Halting decisions are data: gradients flow
-    through the steps each row actually applied.
+    `step_outputs=True`, `(h, ys)`; with `return_info=True`, an
+    `IterateInfo(steps, residual, halted)` appended (`(h, info)` or
+    `(h, ys, info)`): steps applied, rms of the last update, and whether a
+    criterion (not the budget) stopped the row. Halting decisions are data:
+    gradients flow through the steps each row actually applied.
 
   Examples:
     >>> import jax.numpy as jnp, pallas_loop

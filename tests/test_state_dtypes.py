@@ -24,11 +24,16 @@ from tests import cases
 B, D, MAX = 8, 16, 6
 slow = pytest.mark.slow
 
-# Per float dtype: the relative error allowed against the oracle (scaled by
-# the largest magnitude of the leaf), a few of the dtype's ulps: the
-# implementations accumulate gradients in float32 where autodiff of the
-# reference accumulates in the leaf's dtype.
-RTOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
+# Per float dtype of the state: the relative error allowed against the oracle
+# (scaled by the largest magnitude of the leaf), a few of the dtype's ulps
+# (bfloat16's is 7.8e-3, float16's 9.8e-4): the implementations accumulate
+# gradients in float32 where autodiff of the reference accumulates in the
+# state's dtype, through every step of the recurrence. The coarsest dtype of
+# the state bounds every comparison, float32 gradients of params included.
+RTOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 1e-2}
+# The implicit gradient is that of the exact fixed point, which the forward
+# reaches to its tolerance: as in test_grad_modes' implicit checks.
+IMPLICIT_RTOL = 1e-3
 
 # Each state: {leaf name: dtype}. "h" (float) is always updated by the block.
 STATES = {
@@ -162,19 +167,16 @@ def test_state_leaf_dtypes_in_every_gradient_mode(kind, mode_name, impl, jit):
   floats = lambda tree: {k: v for k, v in tree.items()
                          if jnp.issubdtype(STATES[kind][k], jnp.floating)}
   want_w, want_h0, want_x = jax.grad(oracle_loss, argnums=(0, 1, 2), allow_int=True)(w, h0, x)
-  # The implicit gradient is that of the exact fixed point: low-precision
-  # leaves reach it only to their rounding, which bounds the agreement of
-  # every gradient (float32 ones included) by the coarsest state dtype.
-  rtol = None
+  rtol = max(RTOL[d] for d in STATES[kind].values() if jnp.issubdtype(d, jnp.floating))
   if mode_name == "implicit":
-    rtol = max(RTOL[d] for d in STATES[kind].values() if jnp.issubdtype(d, jnp.floating))
+    rtol = max(rtol, IMPLICIT_RTOL)
   _assert_close(g_w, want_w, "g_w", rtol)
   _assert_close(g_x, want_x, "g_x", rtol)
   if mode_name == "implicit":  # h0 is forgotten at a fixed point
     for v in floats(g_h0).values():
       np.testing.assert_array_equal(np.asarray(v, np.float32), 0)
   else:
-    _assert_close(floats(g_h0), floats(want_h0), "g_h0")
+    _assert_close(floats(g_h0), floats(want_h0), "g_h0", rtol)
   # The forward agrees too (the integer leaves exactly).
   out = pallas_loop.iterate(_step, w, h0, x, grad=mode, **kw, **IMPLS[impl])
   ref = reference.iterate(_step, w, h0, x, **kw)

@@ -214,8 +214,8 @@ def _without_outputs(plan: Any, step_fn: step_fn_lib.StepFn) -> Any:
   return dataclasses.replace(plan, problems=tuple(plan.problems) + (_NO_KERNEL_OUTPUTS,))
 
 
-def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *,
-               residual: bool = True, outputs: Any = None) -> Callable[[LoopOperands], LoopOutputs]:
+def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *, residual: bool = True,
+               outputs: Any = None) -> Callable[[LoopOperands], LoopOutputs]:
   """The forward, LoopOperands -> LoopOutputs, on the lowering platform's
   kernel or in XLA (`xla_forward.forward`).
 

@@ -106,8 +106,8 @@ def vjp_of_floats(fn: Callable[..., Any], args: tuple[Any, ...], ct_floats: list
     args: a tuple of pytrees.
     ct_floats: the cotangents of `fn`'s float output leaves, in order.
     evaluate: evaluate(vjp_fn, floats, ct_floats) -> cotangents of floats;
-      None calls `vjp_fn(floats, ct_floats)` directly (kernels pass one that evaluates it with
-      their rules, `kernel_backward.py`).
+      None calls `vjp_fn(floats, ct_floats)` directly (the backward kernel
+      passes one that evaluates it with its backend's rules).
 
   Returns:
     A tuple like `args`: the cotangent of each float leaf, None elsewhere.

@@ -127,7 +127,10 @@ def matrix(full: bool, targets) -> list[Case]:
         cases += [Case(target, block, 128, "bfloat16", "full", keyed=True),
                   Case(target, block, 128, "bfloat16", "full", tol=True)]
     else:
-      cases += [Case(target, "tanh_rnn", 64, "float32", "full"),
+      # A step that reads its layer as params[index] (step_index=True): the
+      # forward kernel reads one step's slice of the stacked weights.
+      cases += [Case(target, "untied_rnn", 128, "bfloat16", "forward", implementation="pallas"),
+                Case(target, "tanh_rnn", 64, "float32", "full"),
                 Case(target, "gru", 128, "bfloat16", "implicit", keyed=True, tol=True),
                 Case(target, "lstm", 128, "bfloat16", "forward", block_rows=32)]
   return cases
@@ -208,6 +211,8 @@ def _function(case: Case, implementation: str | None = None):
     kw["interpret"] = False
   if case.tol:
     kw["tol"] = 1e-3
+  if case.block == "untied_rnn":
+    kw["step_index"] = True
   if case.keyed:
     plain = step
     step = lambda p, h, x_, key: plain(p, jax.tree.map(

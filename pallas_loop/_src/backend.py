@@ -113,7 +113,7 @@ def leading_slices(jaxpr: jex_core.Jaxpr, shared: Sequence[Any]) -> tuple[set[in
     if eqn.primitive.name != "dynamic_slice" or eqn.invars[0] not in where:
       continue
     shape = tuple(getattr(eqn.invars[0].aval, "shape", ()))
-    if tuple(eqn.params["slice_sizes"])[1:] == shape[1:]:
+    if len(shape) >= 2 and tuple(eqn.params["slice_sizes"])[1:] == shape[1:]:
       positions.add(where[eqn.invars[0]])
       eqns.add(id(eqn))
   return positions, eqns

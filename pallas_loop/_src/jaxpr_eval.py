@@ -75,13 +75,16 @@ class LoadOnUse:
   def load_leading_slice(self, start: Any, size: int) -> jax.Array | None:
     """`lax.dynamic_slice` of the leading axis (the others whole), read from
     the ref alone: `params[index]` of stacked per-step weights [T, ...]
-    loads one step's weights, not all T. None when the ref is not stored in
-    the operand's own shape (1-D and 0-d operands travel reshaped)."""
-    if tuple(self.ref.shape) != self.shape:
+    loads one step's weights, not all T. The ref holds the operand with its
+    leading axis first (a 2-D one as [T, 1, N]: `kernel_forward.
+    shared_operands`); None when it does not (1-D and 0-d operands)."""
+    ref_shape = tuple(self.ref.shape)
+    if len(self.shape) < 2 or ref_shape[0] != self.shape[0]:
       return None
     # dynamic_slice clamps the start into range; a ref read does not.
     start = jax.numpy.clip(start, 0, self.shape[0] - size)
-    return self.ref[(pl.ds(start, size),) + (slice(None),) * (len(self.shape) - 1)]
+    read = self.ref[(pl.ds(start, size),) + (slice(None),) * (len(ref_shape) - 1)]
+    return read.reshape((size,) + self.shape[1:])
 
 
 def _leading_slice_of_load(eqn: Any, operand: Any, read: Callable[[Any], Any]) -> Any:

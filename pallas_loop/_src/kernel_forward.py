@@ -124,9 +124,19 @@ def shared_2d(a) -> tuple[int, ...]:
   return (1,) * (2 - len(shape)) + shape if len(shape) < 2 else shape
 
 
-def shared_operands(params_leaves, const_values) -> list:
-  """params leaves, then the step's constants, reshaped by `shared_2d`."""
-  return [jnp.reshape(a, shared_2d(a)) for a in list(params_leaves) + list(const_values)]
+def shared_operands(params_leaves, const_values, sliced: frozenset[int] = frozenset()) -> list:
+  """params leaves, then the step's constants, reshaped by `shared_2d`.
+
+  A 2-D operand the step reads one leading slice at a time (`sliced`,
+  `params[index]` of stacked [T, N] weights) travels as [T, 1, N]: its step
+  axis is then a leading axis, which Mosaic indexes dynamically, not the
+  sublane axis, whose dynamic offsets it must prove multiples of 8.
+  """
+  def shaped(i, a):
+    if i in sliced and np.ndim(a) == 2:
+      return jnp.reshape(a, (np.shape(a)[0], 1, np.shape(a)[1]))
+    return jnp.reshape(a, shared_2d(a))
+  return [shaped(i, a) for i, a in enumerate(list(params_leaves) + list(const_values))]
 
 
 def row_spec(a, block_rows: int) -> pl.BlockSpec:
@@ -234,7 +244,7 @@ def run(tile_plan: TilePlan, ops: LoopOperands, *, sort_rows: bool,
   params_leaves, params_tree = tree_util.tree_flatten(ops.params)
   h_tree: Any = tree_util.tree_structure(ops.h0)
   x_tree: Any = tree_util.tree_structure(ops.x)
-  shared = shared_operands(params_leaves, tile_plan.traced.const_values)
+  shared = shared_operands(params_leaves, tile_plan.traced.const_values, tile_plan.sliced)
   halting_leaves, halting_tree = tree_util.tree_flatten(ops.halting)
   halting_ops = [a.reshape(1, 1) for a in halting_leaves]
   rows_of = functools.partial(row_spec, block_rows=tb)

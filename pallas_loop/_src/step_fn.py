@@ -74,11 +74,6 @@ def explain_extras_error(error: Exception, *, keyed: bool, indexed: bool) -> Exc
           f"step(params, h, x, {name}=...), e.g. `def step(params, h, x, *, {name}):`. "
           "(Before pallas_loop 0.2 the key was the 4th positional argument: rename that "
           "parameter to `key`.)")
-  if keyed and "required positional argument" in text:
-    return TypeError(
-        "step takes a 4th positional argument, but its extras come as keywords: write "
-        "`def step(params, h, x, *, key):` (with key=...) and/or `index` (with "
-        "step_index=True). Before pallas_loop 0.2 the key was the 4th positional argument.")
   return None
 
 

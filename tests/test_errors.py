@@ -405,3 +405,50 @@ def test_what_cannot_be_caught_is_not_flagged():
   analysis = _analysis(lambda p, h, x: jnp.zeros_like(h).at[perm].set(h), None,
                        jnp.ones((_B, 8)), None)
   assert analysis.unknown_primitives == {"scatter"}
+
+
+# --- Randomness the kernels cannot take: declined, so auto falls back ------
+
+_KEY = jax.random.key(0)
+
+
+def _closes_over_typed_key(p, h, x):
+  return h * p + 0.01 * jax.random.normal(_KEY, h.shape[1:])
+
+
+def test_closed_over_typed_key_runs_on_xla_by_default():
+  # Every platform's kernel plan is traced under jit: planning must decline
+  # a typed key operand, not crash on its dtype.
+  f = lambda p, h: pallas_loop.iterate(_closes_over_typed_key, p, h, max_iters=3).sum()
+  want = lambda p, h: pallas_loop.iterate(_closes_over_typed_key, p, h, max_iters=3,
+                                          implementation="xla").sum()
+  h0 = jnp.ones((8, 16))
+  np.testing.assert_allclose(jax.jit(jax.grad(f))(0.5, h0), jax.jit(jax.grad(want))(0.5, h0),
+                             rtol=1e-6)
+
+
+def test_closed_over_typed_key_in_the_kernel_is_refused():
+  with pytest.raises(ValueError, match=r"typed PRNG key array \(key<fry>\).*pallas_loop.random"):
+    pallas_loop.iterate(_closes_over_typed_key, 0.5, jnp.ones((8, 16)), max_iters=3,
+                        implementation="pallas")
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("case", ["closed-over key", "jax.random on per-row keys"])
+def test_auto_falls_back_on_randomness_the_kernels_cannot_lower(platform, case):
+  from pallas_loop._src import notices
+  from tests import lowering
+  if case == "closed-over key":
+    f = lambda p, h: pallas_loop.iterate(_closes_over_typed_key, p, h, max_iters=3).sum()
+    reason = "typed PRNG key"
+  else:
+    step = lambda p, h, x, key: h * p + jax.random.normal(key, h.shape)
+    f = lambda p, h: pallas_loop.iterate(step, p, h, max_iters=3, key=jax.random.key(1),
+                                         per_example=True).sum()
+    # Triton has no rule for random_bits; Mosaic has one that fails on
+    # an array of keys, so its plan says so.
+    reason = "random_bits" if platform == "cuda" else "array of keys"
+  notices._warned.clear()
+  with pytest.warns(UserWarning, match=f"cannot run this step.*{reason}.*using the XLA"):
+    text = lowering.export_text(jax.grad(f), 0.5, jnp.ones((16, 128)), platform=platform)
+  assert lowering.kernel_marker(platform) not in text

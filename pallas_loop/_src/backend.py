@@ -119,6 +119,18 @@ def leading_slices(jaxpr: jex_core.Jaxpr, shared: Sequence[Any]) -> tuple[set[in
   return positions, eqns
 
 
+def extended_dtype_problems(named: Sequence[tuple[str, Any]]) -> list[str]:
+  """A message per operand of an extended dtype (a typed PRNG key array,
+  `key<fry>`), which no Pallas backend takes as a kernel operand.
+
+  Args:
+    named: (description, array or aval) pairs: the kernel's operands.
+  """
+  return [f"{name} is a typed PRNG key array ({a.dtype}), which a Pallas kernel cannot take: "
+          "draw per-row randomness with iterate(key=...) and pallas_loop.random"
+          for name, a in named if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)]
+
+
 def unsupported_primitive_problems(backend: Backend, jaxpr: jex_core.Jaxpr,
                                    read_from_refs: frozenset[int] | set[int] = frozenset()
                                    ) -> list[str]:

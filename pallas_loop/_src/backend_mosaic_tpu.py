@@ -167,6 +167,17 @@ def _dot_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
   return problems
 
 
+def _random_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
+  """`jax.random` on an array of keys (the per-row keys of a per-example
+  step, vmapped): Mosaic's `random_bits` rule takes one key and fails inside
+  JAX's threefry with a TypeError at lowering."""
+  for eqn in backend_lib.iter_eqns(jaxpr):
+    if eqn.primitive.name == "random_bits" and eqn.invars[0].aval.shape:  # type: ignore[attr-defined]
+      return ["step draws with jax.random from an array of keys (the per-row keys), which "
+              "Mosaic TPU does not lower; draw with pallas_loop.random on the step's key"]
+  return []
+
+
 def _default_block_rows(batch: int) -> int:
   # 16 rows fill a bf16 sublane tile; 128 rows amortise the loop overhead.
   return min(128, -(-batch // 16) * 16)
@@ -179,5 +190,5 @@ MOSAIC_TPU = backend_lib.Backend(
     block_problems=_block_problems,
     configure=configure,
     lowering_rules=_lowering_rules,
-    extra_problems=_dot_problems,
+    extra_problems=lambda jaxpr: _dot_problems(jaxpr) + _random_problems(jaxpr),
 )

@@ -222,6 +222,9 @@ def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
 
 def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every):
   tile = kernel.plan(backend, step_fn, params, consts, h, x, tb)
+  if tile.config is None and tile.footprint is None:  # declined before measuring
+    return WindowPlan(tile=tile, config=None, footprint=None, every=every, slots=(0, 0),
+                      shared_shapes=(), shared_float=(), x_float=(), problems=tile.problems)
   padded = tile.rows
   slots = (backend_lib.next_power_of_2(loop_reverse.checkpoint_slots(bound, every)),
            backend_lib.next_power_of_2(every))

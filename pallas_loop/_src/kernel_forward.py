@@ -206,6 +206,11 @@ def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given) -> TilePlan:
   n_params = len(tree_util.tree_leaves(params))
   sliced, slice_eqns = backend_lib.leading_slices(
       traced.jaxpr, traced.jaxpr.invars[:n_params] + traced.jaxpr.constvars)
+  typed = backend_lib.extended_dtype_problems(_named_operands(params, traced, h0, x))
+  if typed:  # no footprint to measure: such operands have no itemsize the rules know
+    return TilePlan(backend=backend, block_rows=tb, rows=padded, traced=traced,
+                    param_shapes=(), const_shapes=(), config=None, footprint=None,
+                    problems=tuple(typed))
   problems = (backend.block_problems(blocks)
               + backend_lib.unsupported_primitive_problems(backend, traced.jaxpr, slice_eqns)
               + backend.extra_problems(traced.jaxpr))
@@ -225,6 +230,16 @@ def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given) -> TilePlan:
       const_shapes=tuple(np.shape(c) for c in traced.const_values),
       config=config, footprint=fp, problems=tuple(problems + config_problems),
       sliced=frozenset(sliced))
+
+
+def _named_operands(params, traced, h0, x) -> list[tuple[str, Any]]:
+  """The kernel's operands with names for messages: params leaves, the
+  step's constants, h0 and x leaves."""
+  named = [(f"{name}{tree_util.keystr(path)}", a)
+           for name, tree in (("params", params), ("h0", h0), ("x", x))
+           for path, a in tree_util.tree_flatten_with_path(tree)[0]]
+  return named + [(f"the array #{i} that step closes over", c)
+                  for i, c in enumerate(traced.const_values)]
 
 
 def run(tile_plan: TilePlan, ops: LoopOperands, *, sort_rows: bool,

@@ -80,6 +80,7 @@ class Case:
   tol: bool = False
   control: bool = False       # a kernel that must not compile
   implementation: str | None = None  # "pallas": the kernel even where XLA is preferred
+  hoist: bool | None = None   # iterate's hoist= (None: its default)
 
   @property
   def label(self) -> str:
@@ -94,6 +95,8 @@ class Case:
       parts.append("tol")
     if self.implementation:
       parts.append(f"implementation={self.implementation}")
+    if self.hoist is not None:
+      parts.append(f"hoist={self.hoist}")
     return " ".join(parts)
 
 
@@ -213,6 +216,8 @@ def _function(case: Case, implementation: str | None = None):
     kw["tol"] = 1e-3
   if case.block == "untied_rnn":
     kw["step_index"] = True
+  if case.hoist is not None:
+    kw["hoist"] = case.hoist
   if case.keyed:
     plain = step
     step = lambda p, h, x_, key: plain(p, jax.tree.map(
@@ -377,15 +382,108 @@ def _environment(case: Case, dump: str) -> dict:
   return env
 
 
+def cuda_root() -> str | None:
+  """The CUDA directory XLA takes ptxas from: `CUDA_ROOT`, else the nvcc wheel's."""
+  if os.environ.get("CUDA_ROOT"):
+    return os.environ["CUDA_ROOT"]
+  try:
+    import nvidia.cu13  # type: ignore  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return next((p for p in nvidia.cu13.__path__
+               if os.path.exists(os.path.join(p, "bin", "ptxas"))), None)
+
+
+_PTXAS_WRAPPER = """#!/bin/sh
+# Runs the real ptxas, then keeps a copy of its input PTX and output cubin.
+"{real}" "$@"; rc=$?
+in=""; out=""; prev=""
+for a in "$@"; do
+  if [ "$prev" = "-o" ]; then out="$a"
+  elif [ -z "$in" ] && [ "${{a#-}}" = "$a" ] && [ -f "$a" ]; then in="$a"; fi
+  prev="$a"
+done
+if [ "$rc" -eq 0 ] && [ -n "$in" ] && [ -n "$out" ] && [ -f "$out" ]; then
+  n=$(mktemp "{capture}/ptxas.XXXXXX") && cp "$in" "$n.ptx" && cp "$out" "$n.cubin" && rm -f "$n"
+fi
+exit $rc
+"""
+
+
+def ptxas_capture(dump: str) -> tuple[dict, str | None]:
+  """(environment, None), or ({}, why not): a CUDA root whose ptxas keeps its files.
+
+  XLA deletes the PTX and cubin it compiles. JAX points XLA at `CUDA_ROOT`
+  (before the nvcc wheel), so a directory mirroring the real CUDA root, with
+  `bin/ptxas` a script that calls the real one and copies its input and
+  output to `<dump>/capture`, captures every kernel's cubin.
+  """
+  real = cuda_root()
+  if real is None or not os.path.exists(os.path.join(real, "bin", "ptxas")):
+    return {}, "no ptxas found (neither CUDA_ROOT nor the nvidia-cuda-nvcc wheel)"
+  if not os.path.exists(os.path.join(real, "bin", "nvdisasm")):
+    return {}, f"no nvdisasm in {real}/bin (install nvidia-cuda-nvdisasm)"
+  root, capture = os.path.join(dump, "cuda"), os.path.join(dump, "capture")
+  os.makedirs(os.path.join(root, "bin"))
+  os.makedirs(capture)
+  for entry in os.listdir(real):
+    if entry != "bin":
+      os.symlink(os.path.join(real, entry), os.path.join(root, entry))
+  for entry in os.listdir(os.path.join(real, "bin")):
+    if entry != "ptxas":
+      os.symlink(os.path.join(real, "bin", entry), os.path.join(root, "bin", entry))
+  wrapper = os.path.join(root, "bin", "ptxas")
+  with open(wrapper, "w") as f:
+    f.write(_PTXAS_WRAPPER.format(real=os.path.join(real, "bin", "ptxas"), capture=capture))
+  os.chmod(wrapper, 0o755)
+  return {"CUDA_ROOT": root}, None
+
+
+_PTX_ENTRY = re.compile(r"^\s*(?:\.visible\s+)?\.entry\s+(\w+)", re.MULTILINE)
+
+
+def disassembled_loops(dump: str) -> tuple[dict[str, dict], str | None]:
+  """({kernel: its main loop's SASS counts}, None) or ({}, why not).
+
+  Disassembles each captured cubin of a `pallas_loop` kernel with
+  `nvdisasm -c` and counts one trip of its main loop (`benchmarks.sass`).
+  """
+  from benchmarks import sass  # pylint: disable=g-import-not-at-top
+
+  capture = os.path.join(dump, "capture")
+  ptx = sorted(glob.glob(os.path.join(capture, "*.ptx")))
+  if not ptx:
+    return {}, "ptxas ran, but the wrapper captured nothing (XLA took another ptxas?)"
+  nvdisasm = os.path.join(cuda_root() or "", "bin", "nvdisasm")
+  out: dict[str, dict] = {}
+  for path in ptx:
+    with open(path) as f:
+      names = [n for n in _PTX_ENTRY.findall(f.read()) if n.startswith("pallas_loop")]
+    if not names:
+      continue
+    proc = subprocess.run([nvdisasm, "-c", path[:-len(".ptx")] + ".cubin"],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode:
+      return out, f"nvdisasm failed: {proc.stderr.strip()[:300]}"
+    for name, function in sass.parse(proc.stdout).items():
+      if name in names:
+        out[name] = sass.loop_report(function)
+  return out, None
+
+
 def run_case(case: Case, timeout: float) -> dict:
   """Runs one case in a fresh process and adds what the compiler printed."""
   with tempfile.TemporaryDirectory() as dump:
     start = time.perf_counter()
+    env, no_capture = _environment(case, dump), None
+    if TARGETS[case.target][0] == "cuda" and not case.control:
+      extra, no_capture = ptxas_capture(dump)
+      env.update(extra)
     try:
       proc = subprocess.run(
           [sys.executable, "-m", "benchmarks.compile_check", "--worker",
            json.dumps(dataclasses.asdict(case))],
-          env=_environment(case, dump), cwd=REPO, capture_output=True, text=True,
+          env=env, cwd=REPO, capture_output=True, text=True,
           timeout=timeout, check=False)
       log, code = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
@@ -409,6 +507,12 @@ def run_case(case: Case, timeout: float) -> dict:
           kernels.setdefault(name, {}).update(stats)
     for name, stats in result.pop("vmem", {}).items():
       kernels.setdefault(name, {}).update(stats)
+    if TARGETS[case.target][0] == "cuda" and not case.control and result["compiled"]:
+      if no_capture is None:
+        found, no_capture = disassembled_loops(dump)
+        for name, report in found.items():
+          kernels.setdefault(name, {})["sass"] = report
+      result["sass_capture"] = no_capture  # None: captured
     result["kernel_resources"] = kernels
   return result
 
@@ -578,6 +682,68 @@ def markdown(results: list[dict]) -> str:
   return "\n".join(rows) + "\n"
 
 
+def loop_table(results: list[dict]) -> str:
+  """The GPU kernels' main loops: one trip's SASS, per warp, and the occupancy.
+
+  A row per H200 kernel whose cubin was captured (`ptxas_capture`); a line
+  per case where it could not be. Empty without H200 results.
+  """
+  from benchmarks import sass  # pylint: disable=g-import-not-at-top
+
+  head = ("| case | kernel | grid | warps | registers | spills st/ld (B) | shared mem (B) "
+          "| programs/SM (regs, smem, warps) | SASS/trip | HMMA | HGMMA | LDSM | LDS | BAR "
+          "| MUFU | inner loops | other step loops (SASS, MMA) |")
+  rows = [head, "|" + "---|" * 17]
+  missing = []
+  for r in results:
+    if r["case"]["target"] != "h200" or r["case"]["control"] or not r.get("compiled"):
+      continue
+    if r.get("sass_capture"):
+      missing.append(f"* {r['label']}: not captured: {r['sass_capture']}")
+      continue
+    for name, got in sorted(r.get("kernel_resources", {}).items()):
+      report = got.get("sass")
+      if report is None:
+        continue
+      warps = got.get("threads", 0) // 32 or None
+      occupancy = ""
+      if warps and "registers" in got and "shared_memory_bytes" in got:
+        o = sass.programs_per_sm(got["registers"], got["shared_memory_bytes"], warps)
+        occupancy = (f"**{o['programs']}** ({o['by_registers']}, {o['by_shared_memory']}, "
+                     f"{o['by_warps']})")
+      trip = report["per_trip"] or {}
+      inner = "; ".join(f"{l['instructions']} instr, {l['hmma'] + l['hgmma']} MMA"
+                        for l in report["inner_loops"]) or "none"
+      others = "; ".join(f"{l['instructions']:,}, {l['hmma'] + l['hgmma']}"
+                         for l in report["other_step_loops"]) or "none"
+      if report["loop"] is None:
+        inner = others = "no loop holds an MMA"
+      spills = (f"{got['spill_store_bytes']:,} / {got['spill_load_bytes']:,}"
+                if "spill_store_bytes" in got else "")
+      rows.append("| " + " | ".join([
+          r["label"], name, _cell(got.get("grid")), _cell(warps), _cell(got.get("registers")),
+          spills, _cell(got.get("shared_memory_bytes")), occupancy,
+          _cell(trip.get("instructions")), _cell(trip.get("hmma")), _cell(trip.get("hgmma")),
+          _cell(trip.get("ldsm")), _cell(trip.get("lds")), _cell(trip.get("bar")),
+          _cell(trip.get("mufu")), inner, others]) + " |")
+  if len(rows) == 2 and not missing:
+    return ""
+  text = ("\n## H200 kernels: one trip of the main loop (SASS, per warp)\n\n"
+          "From the cubin ptxas wrote, captured by a ptxas wrapper and disassembled with "
+          "`nvdisasm -c`: the step's loop is the innermost loop (a backward branch) holding "
+          "an HMMA/HGMMA, moved out past loops of dot work only (`benchmarks/sass.py`); of "
+          "several (the backward kernel: the window forward with checkpoints, a segment's "
+          "recomputation, the VJP steps), the one with the most MMAs, the others listed. "
+          "Programs per SM: the least of what the registers (65,536, in 256-register warp "
+          "units), shared memory (228 KB, 1 KB reserved per program), warps (64) and "
+          "blocks (32) allow.\n\n")
+  if len(rows) > 2:
+    text += "\n".join(rows) + "\n"
+  if missing:
+    text += "\n" + "\n".join(missing) + "\n"
+  return text
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--full", action="store_true", help="the whole matrix")
@@ -629,12 +795,19 @@ def main(argv=None) -> int:
                                                   if a in ("registers", "spill_store_bytes",
                                                            "shared_memory_bytes", "vmem_bytes"))
           for k, v in sorted(r.get("kernel_resources", {}).items()))
+      trips = ", ".join(
+          f"{k.rsplit('_', 1)[-1]} trip: {v['sass']['per_trip']['instructions']} SASS "
+          f"{v['sass']['per_trip']['hmma'] + v['sass']['per_trip']['hgmma']} MMA"
+          for k, v in sorted(r.get("kernel_resources", {}).items())
+          if (v.get("sass") or {}).get("per_trip"))
+      if trips:
+        kernels += "; " + trips
       status = "ok" if not bad else "FAIL " + "; ".join(bad)
       print(f"[{r['case']['target']}] {r['label']}: {r.get('compile_seconds', 0):.1f} s "
             f"{kernels} -> {status}", flush=True)
   if out:
     out.close()
-  table = markdown(results)
+  table = markdown(results) + loop_table(results)
   if args.markdown:
     with open(args.markdown, "w") as f:
       f.write(table)

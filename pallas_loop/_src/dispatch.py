@@ -14,7 +14,6 @@ it is lowered.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import jax
@@ -201,19 +200,6 @@ def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[...,
   return select
 
 
-# Per-step outputs run on the XLA implementation: the kernels do not write
-# them yet (a kernel plan with them declines with this reason).
-_NO_KERNEL_OUTPUTS = ("per-step outputs (step_outputs=True) run on the XLA implementation; "
-                      "the Pallas kernels do not stream them yet")
-
-
-def _without_outputs(plan: Any, step_fn: step_fn_lib.StepFn) -> Any:
-  """`plan`, declined when the step has per-step outputs."""
-  if not step_fn.outputs:
-    return plan
-  return dataclasses.replace(plan, problems=tuple(plan.problems) + (_NO_KERNEL_OUTPUTS,))
-
-
 def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *, residual: bool = True,
                outputs: Any = None) -> Callable[[LoopOperands], LoopOutputs]:
   """The forward, LoopOperands -> LoopOutputs, on the lowering platform's
@@ -232,8 +218,8 @@ def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *, residual: bool = 
     return xla_forward.forward(body, ops, residual, outputs)
 
   def plan(backend: backend_lib.Backend, ops: LoopOperands) -> kernel_forward.TilePlan:
-    return _without_outputs(kernel_forward.plan(
-        backend, step_fn, ops.params, ops.consts, ops.h0, ops.x, tiling.block_rows), step_fn)
+    return kernel_forward.plan(backend, step_fn, ops.params, ops.consts, ops.h0, ops.x,
+                               tiling.block_rows, outputs=outputs)
 
   def run_kernel(p: kernel_forward.TilePlan, ops: LoopOperands) -> LoopOutputs:
     return kernel_forward.run(p, ops, sort_rows=tiling.sort_rows, residual=residual)
@@ -254,9 +240,10 @@ def window_fn(step_fn: step_fn_lib.StepFn,
       return xla_backward.backward(step_fn, ops, window=bound, every=every)
 
     def plan(backend: backend_lib.Backend, ops: WindowOperands) -> kernel_backward.WindowPlan:
-      return _without_outputs(kernel_backward.plan(
+      return kernel_backward.plan(
           backend, step_fn, ops.params, ops.consts, ops.h_start, ops.x,
-          block_rows=tiling.block_rows, bound=bound, every=every), step_fn)
+          block_rows=tiling.block_rows, bound=bound, every=every,
+          outputs=None if ops.g_ys is None else step_fn_lib.avals(ops.g_ys))
 
     def run_kernel(p: kernel_backward.WindowPlan, ops: WindowOperands) -> Gradients:
       return kernel_backward.run(p, ops, sort_rows=tiling.sort_rows)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 from jax import tree_util
@@ -125,6 +126,9 @@ def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):
   h refs: [TB, ...]               the state at the window's start
   x refs: [TB, ...]               inputs
   g refs: [TB, ...]               cotangent of the state after the window
+  g_ys refs: [S, TB, ...]         cotangents of the per-step outputs (float
+                                  leaves only; `kernel.output_layout`), read
+                                  at the window step's slot
   out g_h refs: [TB, ...]         cotangent of the state at the window's start
   out g_x refs: f32 [TB, ...]     input gradients (float leaves of x only)
   out g_shared refs: f32 [1, ...] this tile's shared-operand gradients (float
@@ -140,6 +144,7 @@ def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):
   h_refs = [next(it) for _ in range(n_h)]
   x_refs = [next(it) for _ in range(n_x)]
   g_refs = [next(it) for _ in range(n_h)]
+  g_ys_refs = [next(it) for f in wp.y_float if f]
   g_h_refs = [next(it) for _ in range(n_h)]
   g_x_refs = [next(it) if f else None for f in wp.x_float]
   g_shared_refs = [next(it) if f else None for f in wp.shared_float]
@@ -168,9 +173,21 @@ def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):
       acc_shared=RefSum(g_shared_refs), acc_x=RefSum(g_x_refs),
       vjp=functools.partial(_float_vjp, rules=wp.config.eval_rules,
                             plain_step=functools.partial(step, rules=None)),
-      aligned=wp.aligned)
+      aligned=wp.aligned,
+      g_ys_at=None if wp.outputs is None else functools.partial(_output_cotangents, g_ys_refs, wp))
   for r, leaf in zip(g_h_refs, tree_util.tree_leaves(g_h)):
     r[...] = leaf.astype(r.dtype)
+
+
+def _output_cotangents(refs, wp, index):
+  """The cotangents of step `index`'s outputs ([TB, ...] leaves, None at
+  the non-float ones), read from their refs at slot `index`."""
+  leaves, tree = tree_util.tree_flatten(wp.outputs)
+  it = iter(refs)
+  tb = wp.tile.block_rows
+  return tree_util.tree_unflatten(tree, [
+      next(it)[index].reshape((tb,) + tuple(a.shape[2:])) if f else None
+      for a, f in zip(leaves, wp.y_float)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +204,9 @@ class WindowPlan:
     shared_float/x_float: which of those (and of x's leaves) get gradients.
     problems: violated backend rules; empty when the kernel can run.
     aligned: the rows' windows run on one clock (`loop_reverse.reverse_window`),
-      for a step that takes its scalar step index.
+      for a step that takes its scalar step index or has per-step outputs.
+    outputs: the per-step outputs' [B, T, ...] avals (their cotangents are
+      read, `y_float` says which leaves have one), or None.
   """
 
   tile: kernel.TilePlan
@@ -200,10 +219,12 @@ class WindowPlan:
   x_float: tuple[bool, ...]
   problems: tuple[str, ...]
   aligned: bool = False
+  outputs: Any = None
+  y_float: tuple[bool, ...] = ()
 
 
 def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
-         every: int | None) -> WindowPlan:
+         every: int | None, outputs=None) -> WindowPlan:
   """Plans the backward kernel: the forward's tile plan (`kernel.plan`: tile
   shape, traced step, block rules of the step's operands) plus the VJP's needs.
 
@@ -212,15 +233,16 @@ def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
     step_fn, params, consts, h, x: as for the forward.
     block_rows: rows per tile or None.
     bound: static bound on the window length; every: checkpoint interval.
+    outputs: the per-step outputs' [B, T, ...] avals, or None.
   """
   every = every or loop_reverse.default_every(bound)
   batch = tree_util.tree_leaves(h)[0].shape[0]
   return kernel.configured(backend, batch, block_rows, lambda tb: _plan_at(
       backend, step_fn, params, consts, h, x, tb, given=block_rows is not None,
-      bound=bound, every=every))
+      bound=bound, every=every, outputs=outputs))
 
 
-def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every):
+def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every, outputs=None):
   tile = kernel.plan(backend, step_fn, params, consts, h, x, tb)
   if tile.config is None and tile.footprint is None:  # declined before measuring
     return WindowPlan(tile=tile, config=None, footprint=None, every=every, slots=(0, 0),
@@ -238,16 +260,28 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every)
   for i, a in enumerate(shared):
     blocks.append(backend_lib.Block(f"per-tile gradient #{i}", (1,) + kernel.shared_2d(a),
                                     (padded // tb,) + kernel.shared_2d(a), row_axis=None))
+  y_float = tuple(loop_reverse.is_float(a) for a in tree_util.tree_leaves(outputs))
+  g_ys_blocks = []
+  for (path, a), f in zip(tree_util.tree_flatten_with_path(outputs)[0], y_float):
+    if f:
+      g_ys_blocks.append(kernel.output_layout(a, tb))
+      blocks.append(backend_lib.Block(
+          f"cotangent of the per-step output y{tree_util.keystr(path)}",
+          g_ys_blocks[-1].shape, kernel.output_layout(a, padded).shape, row_axis=1))
+  # The outputs' cotangents at one step, [TB, ...] (None: no outputs).
+  g_y = tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((tb,) + a.shape[2:], a.dtype),
+                           outputs)
 
-  def vjp_of_step(shared, h, x, t, rows, index, g):
-    f = lambda s_, h_, x_: tile.traced.apply(s_[1], s_[0], h_, x_, t, rows, index)[0]
-    return loop_reverse.vjp_of_floats(f, (shared, h, x), loop_reverse.float_leaves(g))
+  def vjp_of_step(shared, h, x, t, rows, index, g, g_y):
+    f = lambda s_, h_, x_: tile.traced.apply(s_[1], s_[0], h_, x_, t, rows, index)[:2]
+    return loop_reverse.vjp_of_floats(
+        f, (shared, h, x), loop_reverse.float_leaves(g) + loop_reverse.float_leaves(g_y))
 
   avals = functools.partial(step_fn_lib.avals, rows=tb)
   column = jax.ShapeDtypeStruct((tb, 1), np.int32)
   jaxpr = jax.make_jaxpr(vjp_of_step)(
       (params, list(tile.traced.const_values)), avals(h), avals(x),
-      *step_fn_lib.row_index_avals(avals(h)), avals(h)).jaxpr
+      *step_fn_lib.row_index_avals(avals(h)), avals(h), g_y).jaxpr
   problems = (list(tile.problems) + backend.block_problems(blocks)
               + backend_lib.unsupported_primitive_problems(backend, jaxpr)
               + backend.extra_problems(jaxpr))
@@ -261,7 +295,8 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every)
                 + [column] * 3
                 + [jax.ShapeDtypeStruct((size,) + a.shape, a.dtype)
                    for size in slots for a in h_tiles]
-                + [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in shared_avals])
+                + [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in shared_avals]
+                + g_ys_blocks)
   fp = footprint_lib.measure([(jaxpr, len(shared))], batch=h_tiles_batch, block_rows=tb,
                              shared_avals=shared_avals, row_block_avals=row_blocks)
   config, config_problems = backend.configure(fp, given)
@@ -270,7 +305,8 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every)
       shared_shapes=tuple(np.shape(a) for a in shared),
       shared_float=tuple(loop_reverse.is_float(a) for a in shared),
       x_float=tuple(loop_reverse.is_float(a) for a in tree_util.tree_leaves(x)),
-      problems=tuple(dict.fromkeys(problems + config_problems)), aligned=step_fn.indexed)
+      problems=tuple(dict.fromkeys(problems + config_problems)),
+      aligned=step_fn.indexed or step_fn.outputs, outputs=outputs, y_float=y_float)
 
 
 def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool) -> Gradients:
@@ -306,8 +342,9 @@ def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool) -> Gradients:
                            every=wp.every)
 
   def on_tiles(per_row, n):
-    h_in, x_in, g_in, t0, index = per_row
+    h_in, x_in, g_in, t0, index, g_ys_in = per_row
     h_leaves, x_in_leaves, g_leaves = (tree_util.tree_leaves(a) for a in (h_in, x_in, g_in))
+    g_ys_leaves = [kernel.to_output_layout(a) for a in g_ys_in]
     columns = [a.reshape(padded, 1) for a in (n, t0, index)]
     g_h_out = [struct(a.shape, a.dtype) for a in h_leaves]
     g_x_out = [struct(a.shape, jnp.float32) for a, f in zip(x_in_leaves, wp.x_float) if f]
@@ -319,14 +356,15 @@ def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool) -> Gradients:
         body,
         grid=(n_tiles,),
         in_specs=[*map(rows_of, columns), *map(kernel.full_spec, shared),
-                  *map(rows_of, h_leaves + x_in_leaves + g_leaves)],
+                  *map(rows_of, h_leaves + x_in_leaves + g_leaves),
+                  *(kernel.output_spec(a, tb) for a in g_ys_leaves)],
         out_specs=[*map(rows_of, g_h_out + g_x_out), *map(tile_spec, g_shared_out),
                    *map(slot_spec, scratch)],
         out_shape=[*g_h_out, *g_x_out, *g_shared_out, *scratch],
         compiler_params=config.compiler_params,
         interpret=tile.backend.interpret,
         name=KERNEL_NAME,
-    )(*columns, *shared, *h_leaves, *x_in_leaves, *g_leaves)
+    )(*columns, *shared, *h_leaves, *x_in_leaves, *g_leaves, *g_ys_leaves)
     it = iter(outs)
     g_h = [next(it) for _ in h_leaves]
     g_x = [next(it) if f else None for f in wp.x_float]
@@ -334,7 +372,9 @@ def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool) -> Gradients:
     return (g_h, g_x), tile_sums
 
   (g_h, g_x), tile_sums = tiling.in_tiles(
-      on_tiles, (ops.h_start, ops.x, ops.g, ops.t0, ops.row_ids), ops.n, rows=padded,
+      on_tiles, (ops.h_start, ops.x, ops.g, ops.t0, ops.row_ids,
+                 [a for a, f in zip(tree_util.tree_leaves(ops.g_ys), wp.y_float) if f]),
+      ops.n, rows=padded,
       sort=sort_rows, must_be_finite=True)
   g_x = loop_reverse.cast_like(g_x, x_leaves)
 

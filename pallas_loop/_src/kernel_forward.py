@@ -56,6 +56,9 @@ def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_r
   out residual_ref: f32 [TB, 1]  rms of each row's last update (0 unless `residual`)
   out steps_ref: i32 [TB, 1]     steps applied
   out halted_ref: i32 [TB, 1]    1 where a criterion stopped the row
+  out y refs: [S, TB, ...]       per-step outputs (`step_outputs`), time-major:
+                                 slot t holds trip t's output, 0 in the rows
+                                 that did not apply it (`output_layout`)
   """
   n_params, n_consts, n_halting, n_h, n_x = n_ops
   params_tree, halting_tree, h_tree, x_tree = trees
@@ -67,6 +70,7 @@ def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_r
   x_refs = [next(it) for _ in range(n_x)]
   h_out_refs = [next(it) for _ in range(n_h)]
   residual_ref, steps_ref, halted_ref = next(it), next(it), next(it)
+  y_refs = list(it)
 
   on_chip = spec.config.shared_on_chip
   shared = shared_loader(params_refs + const_refs, spec.param_shapes + spec.const_shapes,
@@ -79,7 +83,13 @@ def _iterate_kernel(counts_ref, rows_ref, *refs, spec, trees, n_ops, elems_per_r
   body = lambda p, h, x, t, rows, index: spec.traced.apply(consts, p, h, x, t, rows, index,
                                                           rules=rules)
   state = loop_lib.run_loop(body, params, h, x, counts_ref[...], rows_ref[...], halting,
-                           elems_per_row, residual)
+                           elems_per_row, residual,
+                           write_output=output_writer(y_refs) if y_refs else None)
+  if y_refs:
+    # The slots after the tile's last trip (trips = the most steps a row of
+    # the tile applied) were not written in the loop: each slot is written
+    # once, there or here.
+    zero_slots(y_refs, jnp.max(state.steps), spec.max_iters)
   for ref, leaf in zip(h_out_refs, tree_util.tree_leaves(state.h)):
     ref[...] = leaf
   residual_ref[...] = state.residual
@@ -102,6 +112,8 @@ class TilePlan:
     problems: violated backend rules; empty when the kernel can run.
     sliced: positions among the shared operands (params leaves, then
       constants) read one leading slice at a time (`params[index]`).
+    outputs: the per-step outputs' avals ([B, T, ...] leaves, as
+      `LoopOutputs.ys`), or None: the kernel writes them (`output_layout`).
   """
 
   backend: backend_lib.Backend
@@ -114,6 +126,75 @@ class TilePlan:
   footprint: footprint_lib.Footprint | None
   problems: tuple[str, ...]
   sliced: frozenset[int] = frozenset()
+  outputs: Any = None
+
+  @property
+  def max_iters(self) -> int:
+    """T, the per-step outputs' slots that are read (0 without outputs)."""
+    leaves = tree_util.tree_leaves(self.outputs)
+    return leaves[0].shape[1] if leaves else 0
+
+
+# --- Per-step outputs: time-major blocks, written at the trip's slot --------
+
+
+def output_slots(max_iters: int) -> int:
+  """S, the slots of a per-step output block: max_iters rounded up to a
+  power of 2 (Triton's block rule; the slots past max_iters are never read)."""
+  return backend_lib.next_power_of_2(max(max_iters, 1))
+
+
+def output_layout(a, rows: int) -> jax.ShapeDtypeStruct:
+  """The kernels' layout of a per-step output leaf `a` ([B, T, ...],
+  row-major as `LoopOutputs.ys`) for `rows` rows: time-major [S, rows, ...],
+  so that a trip writes (and the backward reads) one leading slot at a
+  dynamic index; a 1-D output ([B, T]) as [S, rows, 1] (Mosaic's last two
+  block dims), a bool one as int32 (no bool refs)."""
+  dtype = jnp.int32 if jnp.dtype(a.dtype) == jnp.bool_ else a.dtype
+  return jax.ShapeDtypeStruct(
+      (output_slots(a.shape[1]), rows) + (tuple(a.shape[2:]) or (1,)), dtype)
+
+
+def to_output_layout(a: jax.Array) -> jax.Array:
+  """Row-major [P, T, ...] -> the kernels' [S, P, ...] (`output_layout`),
+  the slots past T zero."""
+  want = output_layout(a, a.shape[0])
+  a = jnp.swapaxes(a, 0, 1).reshape((a.shape[1],) + want.shape[1:]).astype(want.dtype)
+  return jnp.pad(a, [(0, want.shape[0] - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+
+
+def from_output_layout(a: jax.Array, like) -> jax.Array:
+  """The kernels' [S, P, ...] -> row-major [P, T, ...] in the trailing shape
+  and dtype of `like` ([B, T, ...])."""
+  steps = like.shape[1]
+  a = jnp.swapaxes(a[:steps], 0, 1)
+  return a.reshape(a.shape[:2] + tuple(like.shape[2:])).astype(like.dtype)
+
+
+def output_spec(a, block_rows: int) -> pl.BlockSpec:
+  """Blocks [S, block_rows, ...] of an [S, P, ...] operand, one per program."""
+  return pl.BlockSpec((a.shape[0], block_rows) + tuple(a.shape[2:]),
+                      lambda i: (0, i) + (0,) * (len(a.shape) - 2))
+
+
+def output_writer(y_refs):
+  """`write_output(t, running, y)` for `loop.run_loop`: slot t of each
+  output ref ([S, TB, ...]) gets y, 0 in the rows that are not running."""
+  def write(t, running, y):
+    for ref, leaf in zip(y_refs, tree_util.tree_leaves(y)):
+      value = leaf.reshape(ref.shape[1:]).astype(ref.dtype)
+      ref[t] = jnp.where(loop_lib.row_mask(running, value.shape), value,
+                         jnp.zeros(value.shape, ref.dtype))
+  return write
+
+
+def zero_slots(y_refs, lo: jax.Array, hi: int) -> None:
+  """Writes 0 to slots [lo, hi) of each output ref (`lo` traced)."""
+  def body(t):
+    for ref in y_refs:
+      ref[t] = jnp.zeros(ref.shape[1:], ref.dtype)
+    return t + 1
+  jax.lax.while_loop(lambda t: t < hi, body, lo.astype(jnp.int32))
 
 
 def shared_2d(a) -> tuple[int, ...]:
@@ -180,14 +261,16 @@ def configured(backend, batch: int, block_rows, plan_at):
   return p
 
 
-def plan(backend, step_fn, params, consts, h0, x, block_rows=None) -> TilePlan:
-  """Traces the step at the tile shape and checks the backend's rules."""
+def plan(backend, step_fn, params, consts, h0, x, block_rows=None, outputs=None) -> TilePlan:
+  """Traces the step at the tile shape and checks the backend's rules
+  (`outputs`: the per-step outputs' [B, T, ...] avals, or None)."""
   batch = tree_util.tree_leaves(h0)[0].shape[0]
   return configured(backend, batch, block_rows, lambda tb: _plan_at(
-      backend, step_fn, params, consts, h0, x, tb, given=block_rows is not None))
+      backend, step_fn, params, consts, h0, x, tb, given=block_rows is not None,
+      outputs=outputs))
 
 
-def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given) -> TilePlan:
+def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given, outputs=None) -> TilePlan:
   batch = tree_util.tree_leaves(h0)[0].shape[0]
   padded = tiling.padded_rows(batch, tb)
   traced = step_fn.specialize(params, consts, step_fn_lib.avals(h0, tb), step_fn_lib.avals(x, tb))
@@ -203,6 +286,10 @@ def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given) -> TilePlan:
   for i, c in enumerate(traced.const_values):
     blocks.append(backend_lib.Block(f"an array step closes over (#{i})",
                                     shared_2d(c), shared_2d(c), row_axis=None))
+  y_blocks = [output_layout(a, tb) for a in tree_util.tree_leaves(outputs)]
+  for (path, a), b in zip(tree_util.tree_flatten_with_path(outputs)[0], y_blocks):
+    blocks.append(backend_lib.Block(f"per-step output y{tree_util.keystr(path)}", b.shape,
+                                    output_layout(a, padded).shape, row_axis=1))
   n_params = len(tree_util.tree_leaves(params))
   sliced, slice_eqns = backend_lib.leading_slices(
       traced.jaxpr, traced.jaxpr.invars[:n_params] + traced.jaxpr.constvars)
@@ -218,7 +305,7 @@ def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given) -> TilePlan:
   # Row blocks: h in and out, x, and four [TB, 1] columns (counts, rows, stats).
   row_blocks = (2 * tree_util.tree_leaves(step_fn_lib.avals(h0, tb))
                 + tree_util.tree_leaves(step_fn_lib.avals(x, tb))
-                + [jax.ShapeDtypeStruct((tb, 1), np.int32)] * 5)
+                + [jax.ShapeDtypeStruct((tb, 1), np.int32)] * 5 + y_blocks)
   fp = footprint_lib.measure(
       [(traced.jaxpr, len(tree_util.tree_leaves(params)))], batch=batch, block_rows=tb,
       shared_avals=[jax.ShapeDtypeStruct(shared_2d(a), jnp.result_type(a)) for a in shared],
@@ -229,7 +316,7 @@ def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given) -> TilePlan:
       param_shapes=tuple(np.shape(a) for a in tree_util.tree_leaves(params)),
       const_shapes=tuple(np.shape(c) for c in traced.const_values),
       config=config, footprint=fp, problems=tuple(problems + config_problems),
-      sliced=frozenset(sliced))
+      sliced=frozenset(sliced), outputs=outputs)
 
 
 def _named_operands(params, traced, h0, x) -> list[tuple[str, Any]]:
@@ -270,6 +357,8 @@ def run(tile_plan: TilePlan, ops: LoopOperands, *, sort_rows: bool,
       elems_per_row=loop_lib.elems_per_row(ops.h0), residual=residual)
   column = lambda dtype: jax.ShapeDtypeStruct((padded, 1), dtype)
   stats = [column(jnp.float32), column(jnp.int32), column(jnp.int32)]
+  y_avals, y_tree = tree_util.tree_flatten(tile_plan.outputs)
+  ys = [output_layout(a, padded) for a in y_avals]  # written by the kernel
 
   def on_tiles(per_row, counts):
     h_in, x_in, index = per_row  # leaves [B, ...]; index int32 [B]
@@ -280,16 +369,20 @@ def run(tile_plan: TilePlan, ops: LoopOperands, *, sort_rows: bool,
         grid=(padded // tb,),
         in_specs=[*map(rows_of, columns), *map(full_spec, shared + halting_ops),
                   *map(rows_of, h_leaves), *map(rows_of, x_leaves)],
-        out_specs=[*map(rows_of, h_leaves), *map(rows_of, stats)],
-        out_shape=[*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in h_leaves), *stats],
+        out_specs=[*map(rows_of, h_leaves), *map(rows_of, stats),
+                   *(output_spec(a, tb) for a in ys)],
+        out_shape=[*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in h_leaves), *stats, *ys],
         compiler_params=config.compiler_params,
         interpret=tile_plan.backend.interpret,
         name=KERNEL_NAME,
     )(*columns, *shared, *halting_ops, *h_leaves, *x_leaves)
-    h_out = tree_util.tree_unflatten(h_tree, outs[:-3])
-    return (h_out, *(a[:, 0] for a in outs[-3:])), None
+    n_h = h_tree.num_leaves
+    h_out = tree_util.tree_unflatten(h_tree, outs[:n_h])
+    ys_out = [from_output_layout(a, like) for a, like in zip(outs[n_h + 3:], y_avals)]
+    return (h_out, *(a[:, 0] for a in outs[n_h:n_h + 3]), ys_out), None
 
-  (h, residual_out, steps, halted), _ = tiling.in_tiles(
+  (h, residual_out, steps, halted, ys_out), _ = tiling.in_tiles(
       on_tiles, (ops.h0, ops.x, ops.row_ids), ops.counts, rows=padded, sort=sort_rows,
       must_be_finite=False)
-  return LoopOutputs(h, residual_out, steps, halted > 0)
+  ys_tree = None if tile_plan.outputs is None else tree_util.tree_unflatten(y_tree, ys_out)
+  return LoopOutputs(h, residual_out, steps, halted > 0, ys_tree)

@@ -13,13 +13,20 @@ did):
    kernel, or XLA with the warning) and with `"pallas"`, against
    `reference.iterate`, padded rows poisoned with NaN. Compile seconds are
    recorded per item.
-2. Timing, D=128 first: pallas vs the masked scan vs vmap(lax.while_loop) vs
+2. Which design wins (`design_variants`): the fused kernel with and without
+   loop-invariant hoisting (`hoist=True/False`) and under each tile schedule
+   (`schedule="grid"/"persistent"`) against the masked scan and
+   vmap(lax.while_loop), tanh RNN and GRU, D=128 bfloat16, counts uniform in
+   [1, 64], B=4096 and B=32768 forward, then B=4096 forward+backward
+   (hoisting only); compile seconds recorded. A keyword this checkout's
+   `iterate` lacks is a skipped line with the reason.
+3. Timing, D=128 first: pallas vs the masked scan vs vmap(lax.while_loop) vs
    the XLA implementation on `cases.gpu_suite()` (every count distribution;
    forward, and forward+backward on recurrent-depth counts); ratios within
    this run, medians.
-3. The gradient modes (forward kernel + fused backward kernel vs jit(grad)
+4. The gradient modes (forward kernel + fused backward kernel vs jit(grad)
    of the masked scan) and the block_rows 16 / 32 / 64 sweep.
-4. D=256 timing.
+5. D=256 timing.
 
 `--budget` (seconds, default 420: the 8-minute device allowance less start-up)
 stops starting new items once spent; skipped items are written as such.
@@ -30,7 +37,10 @@ compile on the H200 at D=128). Exits non-zero on any mismatch.
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import json
+import statistics
 import sys
 import time
 from typing import Callable, Iterator
@@ -89,6 +99,128 @@ def check_block(block: str, batch: int, d: int, max_iters: int, implementation) 
   return out
 
 
+# The design question the first device answers: the fused kernel with and
+# without loop-invariant hoisting and under each tile schedule, against the
+# masked scan and vmap(lax.while_loop). (name, iterate keywords); the
+# baselines have none.
+DESIGN_VARIANTS: tuple[tuple[str, dict], ...] = (
+    ("masked_scan", {}),
+    ("vmap_while", {}),
+    ("pallas hoist=True", {"hoist": True}),
+    ("pallas hoist=False", {"hoist": False}),
+    ("pallas schedule=grid", {"schedule": "grid"}),
+    ("pallas schedule=persistent", {"schedule": "persistent"}),
+)
+
+
+def unsupported_keywords(keywords: dict) -> list[str]:
+  """The keywords `pallas_loop.iterate` does not take (in this checkout).
+
+  Example:
+    >>> unsupported_keywords({"max_iters": 4, "no_such_option": 1})
+    ['no_such_option']
+  """
+  accepted = inspect.signature(pallas_loop.iterate).parameters
+  return [k for k in keywords if k not in accepted]
+
+
+def design_variants(block: str, batch: int, d: int, max_iters: int, repeats: int,
+                    grad: bool = False, dtype=jnp.bfloat16, seed: int = 0) -> list[dict]:
+  """Times `DESIGN_VARIANTS` on one block, counts uniform in [1, max_iters].
+
+  Every variant is lowered and compiled (timed: `compile_s`), run once and
+  checked against the masked scan, then all are timed round-robin
+  (`repeats` rounds, medians). A variant whose keyword this `iterate` does
+  not take is a line with `skipped` and the reason; one that fails to
+  compile or run is a line with its error (and `ok` False). With `grad`,
+  `jax.grad` of sum(tanh(output)) in the parameters (vmap_while has no
+  reverse-mode gradient, and the schedules are left to the forward).
+
+  Args:
+    block: a name in `blocks.BLOCKS`.
+    batch, d, max_iters: rows, state width, the step cap.
+    repeats: timed rounds.
+    grad: forward+backward instead of forward.
+    dtype: parameters' and state's dtype.
+    seed: of the parameters and the counts.
+
+  Returns:
+    One dict per variant (`item` "design").
+  """
+  step, params, h0, x = blocks.make(block, batch, d, dtype, jax.random.key(seed))
+  iters = jnp.asarray(harness.count_distribution("uniform", batch, max_iters, seed))
+  base = {"item": "design", "block": block, "batch": batch, "d": d, "max_iters": max_iters,
+          "counts": "uniform", "dtype": jnp.dtype(dtype).name,
+          "mode": "fwd+bwd" if grad else "forward"}
+  variants = [(n, kw) for n, kw in DESIGN_VARIANTS
+              if not grad or (n != "vmap_while" and "schedule" not in kw)]
+  lines, fns = [], {}
+  for name, kw in variants:
+    line = dict(base, variant=name, impl=name, keywords=kw)
+    lines.append(line)
+    missing = unsupported_keywords(kw)
+    if missing:
+      line["skipped"] = f"pallas_loop.iterate does not take {missing} in this checkout"
+      continue
+    if name == "masked_scan":
+      impl = reference.iterate
+    elif name == "vmap_while":
+      impl = harness.vmap_while
+    else:
+      impl = functools.partial(pallas_loop.iterate, implementation="pallas", **kw)
+    run = functools.partial(impl, step, iters=iters, max_iters=max_iters)
+    if grad:
+      fn = jax.jit(jax.grad(lambda p, h, x_, run=run: sum(
+          jnp.sum(jnp.tanh(a.astype(jnp.float32))) for a in jax.tree.leaves(run(p, h, x_)))))
+    else:
+      fn = jax.jit(run)
+    try:
+      start = time.perf_counter()
+      fns[name] = fn.lower(params, h0, x).compile()
+      line["compile_s"] = time.perf_counter() - start
+      line["out"] = jax.block_until_ready(fns[name](params, h0, x))
+    except Exception as e:  # pylint: disable=broad-except  # recorded, and fails the run
+      fns.pop(name, None)
+      line.update(error=f"{type(e).__name__}: {e}"[:2000], ok=False)
+  times: dict[str, list[float]] = {n: [] for n in fns}
+  for _ in range(max(1, repeats)):
+    for n, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(params, h0, x))
+      times[n].append(time.perf_counter() - start)
+  tol = harness.tolerance(base["dtype"], max_iters) * (100 if grad else 1)
+  want = lines[0].get("out")
+  seconds = {n: statistics.median(t) for n, t in times.items()}
+  for line in lines:
+    got = line.pop("out", None)
+    if got is None:
+      continue
+    line["seconds"] = seconds[line["variant"]]
+    line["max_error"] = harness.max_error(got, want) if want is not None else None
+    line["ok"] = line["max_error"] is not None and line["max_error"] <= tol
+    for ref in ("masked_scan", "vmap_while"):
+      if ref in seconds:
+        line[f"speedup_vs_{ref}"] = seconds[ref] / line["seconds"]
+  return lines
+
+
+def print_design(lines: list[dict]) -> None:
+  """Prints the design comparison: a row per (case, variant)."""
+  header = (f"{'case':40s} {'variant':28s} {'median ms':>10s} {'vs scan':>8s} "
+            f"{'vs vmapW':>8s} {'compile s':>9s} {'max err':>9s}")
+  print(header)
+  print("-" * len(header))
+  for r in lines:
+    case = f"{r['block']} B={r['batch']} D={r['d']} T={r['max_iters']} {r['mode']}"
+    if "seconds" not in r:
+      print(f"{case:40s} {r['variant']:28s} {r.get('skipped') or r.get('error', '')}"[:200])
+      continue
+    ratio = lambda k, r=r: f"{r[k]:7.2f}x" if r.get(k) is not None else f"{'n/a':>8s}"
+    print(f"{case:40s} {r['variant']:28s} {r['seconds'] * 1e3:10.3f} "
+          f"{ratio('speedup_vs_masked_scan')} {ratio('speedup_vs_vmap_while')} "
+          f"{r['compile_s']:9.1f} {r['max_error']:9.2e}")
+
+
 def _items(args) -> Iterator[tuple[str, Callable[[], list[dict]]]]:
   """(name, run) in priority order; run returns the result lines."""
   if args.smoke:
@@ -101,6 +233,18 @@ def _items(args) -> Iterator[tuple[str, Callable[[], list[dict]]]]:
     for impl in (None, "pallas"):
       yield (f"check {block} implementation={impl}",
              lambda block=block, impl=impl: [check_block(block, batch, d, max_iters, impl)])
+  # Which design wins: hoisting and schedules against the baselines.
+  design_batches, design_d, design_t = ((64, 128), 16, 8) if args.smoke else ((4096, 32768), 128, 64)
+  design_repeats = 1 if args.smoke else args.repeats
+  for design_batch in design_batches:
+    for block in ("tanh_rnn", "gru"):
+      yield (f"design {block} B={design_batch} forward",
+             lambda block=block, b=design_batch: design_variants(
+                 block, b, design_d, design_t, design_repeats))
+  for block in ("tanh_rnn", "gru"):
+    yield (f"design {block} B={design_batches[0]} fwd+bwd",
+           lambda block=block: design_variants(block, design_batches[0], design_d, design_t,
+                                               design_repeats, grad=True))
   suite = list(cases.smoke_suite() if args.smoke else cases.gpu_suite())
   repeats = 1 if args.smoke else args.repeats
   first = [c for c in suite if c.d <= 128]
@@ -148,7 +292,7 @@ def main(argv=None) -> int:
       out.flush()
 
   write(header)
-  bad, timing_rows = [], []
+  bad, timing_rows, design_rows = [], [], []
   for name, run in _items(args):
     elapsed = time.time() - start
     if elapsed > args.budget:
@@ -167,8 +311,11 @@ def main(argv=None) -> int:
       if not line.get("ok", True):
         bad.append(f"{name}: {line.get('impl', '')} {line.get('case', '')}".strip())
     timing_rows += [l for l in lines if l.get("item") == "timing"]
+    design_rows += [l for l in lines if l.get("item") == "design"]
     print(f"{name}: {time.time() - t0:.1f} s, "
           f"{'ok' if all(l.get('ok', True) for l in lines) else 'MISMATCH'}", flush=True)
+  if design_rows:
+    print_design(design_rows)
   if timing_rows:
     harness.print_table(timing_rows)
   write({"item": "done", "seconds": time.time() - start, "mismatches": bad})

@@ -183,3 +183,28 @@ def test_loop_table_rows_and_missing_captures():
                        "0", "16", "0", "2", "16", "none", "none"]
   assert "* gru D=128 bfloat16 full: not captured: no nvdisasm in /x/bin" in table
   assert compile_check.loop_table([]) == ""
+
+
+def _h200(label, fwd, bwd):
+  def kernel(instructions, mma, registers, spills, smem):
+    return {"registers": registers, "spill_store_bytes": spills, "threads": 256,
+            "shared_memory_bytes": smem,
+            "sass": {"per_trip": {"instructions": instructions, "hmma": mma, "hgmma": 0}}}
+  return {"case": {"target": "h200", "control": False}, "label": label, "compiled": True,
+          "kernel_resources": {"pallas_loop_iterate_fwd": kernel(*fwd),
+                               "pallas_loop_iterate_bwd": kernel(*bwd)}}
+
+
+def test_hoist_table_reports_each_goal():
+  table = compile_check.hoist_table([
+      _h200("gru D=128 bfloat16 full hoist=False", (671, 96, 246, 0, 204_800),
+            (5957, 300, 255, 1068, 36_864)),
+      _h200("gru D=128 bfloat16 full", (610, 48, 102, 0, 102_400),
+            (3477, 150, 255, 408, 36_864)),
+  ])
+  fwd = next(l for l in table.splitlines() if "iterate_fwd" in l)
+  assert "671 -> 610 (-9%)" in fwd and "96 -> 48" in fwd and "1 -> 2" in fwd
+  assert ("MMA <= 1/2: met, SASS -40%: MISSED, no spills: met, programs >= 2: met" in fwd)
+  bwd = next(l for l in table.splitlines() if "iterate_bwd" in l)
+  assert "5,957 -> 3,477 (-42%)" in bwd and "1,068 -> 408" in bwd
+  assert compile_check.hoist_table([]) == ""

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from pallas_loop._src import dispatch
 from pallas_loop._src import grad_modes
+from pallas_loop._src import hoist as hoist_lib
 from pallas_loop._src import info as info_lib
 from pallas_loop._src import loop_reverse
 from pallas_loop import random as random_lib
@@ -49,6 +50,7 @@ def iterate(
     per_example: bool = False,
     step_index: bool = False,
     step_outputs: bool = False,
+    hoist: bool = True,
 ) -> Any:
   """Applies `step` to each row of `h0` its own number of times.
 
@@ -131,6 +133,12 @@ def iterate(
       (there the outputs of steps before a row's last k get no gradient);
       `Implicit` and `Phantom` raise. They run on the XLA implementation
       (the kernels decline them, saying so).
+    hoist: compute the step's state-independent part once, outside the
+      loop: work that depends only on `params`, the arrays `step` closes
+      over and `x` (not on `h`, the key or the step index), e.g. `x @ U`,
+      runs as one batched op over all rows before the loop, and is
+      differentiated there. Results are unchanged; False recomputes it at
+      every step. See the docs' "Performance" page for what is hoisted.
 
   The step's extras are keyword arguments, passed only when asked for:
   `step(params, h, x)`, `step(params, h, x, key=k)`,
@@ -182,17 +190,24 @@ def iterate(
   # Per-step outputs travel row-major, [B, max_iters, ...], inside.
   ys_avals = None if not step_outputs else step_fn_lib.output_buffer_avals(
       y_shape, batch, max_iters)
+  loop_params, loop_x = params, x
+  if hoist:
+    hoisted, _ = hoist_lib.split(body, params, h0, x)
+    if hoisted is not None:
+      loop_params, loop_x = hoisted.operands(params, x)
+      body = hoisted.body
+      consts, _ = step_fn_lib.trace_step(body, loop_params, h0, loop_x)
   fn = step_fn_lib.StepFn(body, tuple(consts), indexed=step_index, outputs=step_outputs)
 
   # The residual is only computed when it is returned.
   ctx = grad_modes.Context(
       fn=fn, forward=dispatch.forward_fn(fn, tiling, residual=return_info, outputs=ys_avals),
       window=dispatch.window_fn(fn, tiling), max_iters=max_iters,
-      iterate=functools.partial(iterate, **tiling.as_kwargs()))
+      iterate=functools.partial(iterate, hoist=hoist, **tiling.as_kwargs()))
   # Rows sharded over explicit mesh axes: run the loop (differentiable) on
   # each device's own rows (`sharding.py`); else the loop itself.
   loop = sharding.per_shard(_differentiable(mode, ctx, step_fn_lib.avals(h0), ys_avals))
-  out = loop(LoopOperands(params, consts, h0, x, counts,
+  out = loop(LoopOperands(loop_params, consts, h0, loop_x, counts,
                           jnp.arange(batch, dtype=jnp.int32), halting))
   result = out.h
   if step_outputs:  # stacked like lax.scan's ys: [max_iters, B, ...]

@@ -37,10 +37,26 @@ def _block_problems(blocks: Sequence[backend_lib.Block]) -> list[str]:
 
 
 def _dot_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
+  """Dots Triton's lowering cannot take: anything but a matrix product of
+  two 2-D operands (one contracted axis each, no batch axes: Pallas' Triton
+  `dot_general` rule asserts so, a bare AssertionError at lowering, e.g. the
+  per-token attention `einsum("rtd,rsd->rts")` of ACT per token), and
+  dimensions under 16."""
   problems = []
   for eqn in backend_lib.iter_eqns(jaxpr):
     if eqn.primitive.name == "dot_general":
       shapes = [tuple(v.aval.shape) for v in eqn.invars]  # type: ignore[attr-defined]
+      (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+      if lb or len(lc) != 1 or len(rc) != 1 or any(len(s) != 2 for s in shapes):
+        what = "a batched dot" if lb else "a dot"
+        problems.append(
+            f"Triton lowers only matrix products of two 2-D operands (one contracted "
+            f"axis each, no batch axes); step has {what} of {shapes[0]} x {shapes[1]} "
+            f"contracting axes {tuple(lc)} x {tuple(rc)}"
+            + (f" over batch axes {tuple(lb)}" if lb else "")
+            + " (e.g. attention over a row's tokens, or a matmul of a [rows, T, D] "
+            "state)")
+        continue
       if any(d < 16 for s in shapes for d in s):
         problems.append(
             "Triton needs every dimension of a dot operand to be >= 16; step "

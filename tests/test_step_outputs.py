@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ import pytest
 import pallas_loop
 from pallas_loop import _reference as reference
 from tests import cases
+from tests import lowering
 from tests import oracle
 
 B, D, T = 12, 8, 6
@@ -205,3 +207,33 @@ def test_where_outputs_are_not_supported():
     pallas_loop.iterate(lambda w, h, x: (h, w[0]), w, h0, x, max_iters=T, step_outputs=True)
   with pytest.raises(TypeError, match="step_outputs must be True or False"):
     pallas_loop.iterate(_step, w, h0, x, max_iters=T, step_outputs="yes")
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "grad"])
+def test_the_kernels_lower_with_outputs_for_gpu_and_tpu(platform, grad):
+  """The default implementation picks the kernels (not XLA) for a step with
+  a 2-D and a 1-D output, max_iters not a power of 2 (slots rounded up)."""
+  rows, d = 64, 32
+  k = jax.random.split(jax.random.key(12), 4)
+  params = (jax.random.normal(k[0], (d, d)) / np.sqrt(d), jax.random.normal(k[1], (d, 16)))
+  h0, x = jax.random.normal(k[2], (rows, d)), jax.random.normal(k[3], (rows, d))
+  n = jnp.arange(rows, dtype=jnp.int32) % (T + 1)
+
+  def step(p, h, x_):
+    h_new = jnp.tanh(h @ p[0] + x_)
+    return h_new, (h_new @ p[1], jax.nn.sigmoid(jnp.sum(h_new, axis=-1)))
+
+  def f(p, h, x_, n_):
+    out, (logits, lam) = pallas_loop.iterate(step, p, h, x_, iters=n_, max_iters=T,
+                                             step_outputs=True)
+    return jnp.sum(out) + jnp.sum(jnp.tanh(logits)) + jnp.sum(lam)
+
+  fn = jax.grad(f) if grad else f
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", UserWarning)  # no fallback warning
+    text = lowering.export_text(fn, params, h0, x, n, platform=platform)
+  assert lowering.kernel_marker(platform) in text
+  assert "pallas_loop_iterate_fwd" in text
+  if grad:
+    assert "pallas_loop_iterate_bwd" in text

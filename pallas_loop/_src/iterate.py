@@ -131,8 +131,9 @@ def iterate(
       per leaf, slot t holding the output of step t, 0 where the row did
       not apply it. Differentiable with `grad="full"` and `Truncated(k)`
       (there the outputs of steps before a row's last k get no gradient);
-      `Implicit` and `Phantom` raise. They run on the XLA implementation
-      (the kernels decline them, saying so).
+      `Implicit` and `Phantom` raise. Every implementation runs them; in
+      the kernels they stream out of the loop (written to time-major output
+      blocks at each trip's slot, no per-step buffer in the loop's state).
     hoist: compute the step's state-independent part once, outside the
       loop: work that depends only on `params`, the arrays `step` closes
       over and `x` (not on `h`, the key or the step index), e.g. `x @ U`,

@@ -19,6 +19,7 @@ from jax.extend import core as jex_core
 from pallas_loop._src import backend as backend_lib
 from pallas_loop._src import footprint as footprint_lib
 from pallas_loop._src import jaxpr_eval
+from pallas_loop._src import schedule as schedule_lib
 
 
 def _is_power_of_2(n: int) -> bool:
@@ -88,23 +89,32 @@ def _compiler_params(num_warps: int) -> Any:
 class Gpu:
   """What the configuration rule needs to know of a GPU.
 
-  shared_memory: the opt-in shared memory per block (bytes); the rest are
-  data-sheet figures used only by the cost model (`prefer_xla`).
+  shared_memory: the opt-in shared memory per block (bytes); sms: streaming
+  multiprocessors (the persistent schedule's programs, `persistent_programs`);
+  the rest are data-sheet figures used only by the cost model (`prefer_xla`).
   """
 
   shared_memory: int
   bf16_flops: float      # dense tensor-core peak, FLOP/s (float32 dots: half)
   hbm_bytes_per_s: float
+  sms: int
 
 
-# By device-kind substring. Unknown NVIDIA GPUs get the smallest opt-in shared
-# memory of the sm_80+ parts (99 KB: sm_86/sm_89), so the rule stays safe.
+# By device-kind substring, first match wins ("H20" is a substring of
+# "H200": the H200 comes first). Unknown NVIDIA GPUs get the smallest opt-in
+# shared memory of the sm_80+ parts (99 KB: sm_86/sm_89), so the rule stays
+# safe, and the A100's SM count. SM counts: data sheets (H100 SXM / H200 132,
+# H100 PCIe 114, H20 78, B200 148 (B300 assumed the same, not checked),
+# A100 108). The cost model's figures are the H200's for the whole Hopper row.
 _GPUS = (
-    (("H100", "H200", "H800", "H20", "GH200"), Gpu(232448, 989e12, 4.8e12)),
-    (("B200", "B300", "GB200", "GB300"), Gpu(232448, 2250e12, 8.0e12)),
-    (("A100", "A800"), Gpu(166912, 312e12, 2.0e12)),
+    (("H200", "GH200", "H800"), Gpu(232448, 989e12, 4.8e12, 132)),
+    (("H100 PCIe",), Gpu(232448, 989e12, 4.8e12, 114)),
+    (("H100",), Gpu(232448, 989e12, 4.8e12, 132)),
+    (("H20",), Gpu(232448, 989e12, 4.8e12, 78)),
+    (("B200", "B300", "GB200", "GB300"), Gpu(232448, 2250e12, 8.0e12, 148)),
+    (("A100", "A800"), Gpu(166912, 312e12, 2.0e12, 108)),
 )
-_UNKNOWN_GPU = Gpu(101376, 312e12, 1.0e12)
+_UNKNOWN_GPU = Gpu(101376, 312e12, 1.0e12, 108)
 
 # Cost-model assumptions, not measurements (`benchmarks/gpu_check.py` times
 # both sides of the boundary): L2 streams at twice HBM's bandwidth, and one
@@ -244,6 +254,19 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool
       f"a program): the step's dot of {list(big.lhs)} x {list(big.rhs)} stages "
       f"{sum(big.operand_bytes):,} B, {shared_memory_estimate(fp, False, warps):,} B with "
       "scratch; Triton cannot split a dot, so the XLA implementation runs it"]
+
+
+def persistent_programs(config: backend_lib.KernelConfig | None, tiles: int) -> int:
+  """The persistent schedule's grid (`schedule.py`): the GPU's SMs times
+  the programs an SM holds by registers at the kernel's warps (255
+  registers a thread at worst), at most `tiles`.
+
+  Example:
+    >>> persistent_programs(None, 8)  # no GPU here: the unknown GPU's 108 SMs
+    8
+  """
+  warps = (config.estimate.get("num_warps", 8) if config is not None else 8)
+  return schedule_lib.programs(gpu(backend_lib.device_kind("gpu")).sms, warps, tiles)
 
 
 # A heuristic, not yet timed on a GPU (`benchmarks/gpu_check.py` times

@@ -222,7 +222,8 @@ def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *, residual: bool = 
                                tiling.block_rows, outputs=outputs)
 
   def run_kernel(p: kernel_forward.TilePlan, ops: LoopOperands) -> LoopOutputs:
-    return kernel_forward.run(p, ops, sort_rows=tiling.sort_rows, residual=residual)
+    return kernel_forward.run(p, ops, sort_rows=tiling.sort_rows, residual=residual,
+                              schedule=tiling.schedule)
 
   return _per_platform("forward", plan, run_kernel, run_xla, tiling)
 
@@ -246,7 +247,7 @@ def window_fn(step_fn: step_fn_lib.StepFn,
           outputs=None if ops.g_ys is None else step_fn_lib.avals(ops.g_ys))
 
     def run_kernel(p: kernel_backward.WindowPlan, ops: WindowOperands) -> Gradients:
-      return kernel_backward.run(p, ops, sort_rows=tiling.sort_rows)
+      return kernel_backward.run(p, ops, sort_rows=tiling.sort_rows, schedule=tiling.schedule)
 
     return _per_platform("backward", plan, run_kernel, run_xla, tiling)(ops)
 

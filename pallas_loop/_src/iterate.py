@@ -46,6 +46,7 @@ def iterate(
     interpret: Any = None,
     block_rows: int | None = None,
     sort_rows: bool = True,
+    schedule: str | None = None,
     return_info: bool = False,
     per_example: bool = False,
     step_index: bool = False,
@@ -112,6 +113,10 @@ def iterate(
       interpret mode; `pallas_loop.tuning` times the candidates).
     sort_rows: order rows by descending count before tiling so each tile's
       rows finish together (results do not depend on it).
+    schedule: how GPU kernel programs take their tiles: None (the backend's
+      default, "grid"), "grid" (one program per tile) or "persistent" (one
+      program per SM, each taking tiles longest first); results do not
+      depend on it (docs/implementations.md, "Schedule").
     return_info: also return an `IterateInfo`.
     per_example: `step` is written for one row (`h` and `x` without the row
       axis, and the key of that row), as optimistix and equinox users write
@@ -161,7 +166,8 @@ def iterate(
     ...                     iters=jnp.array([1, 2, 3]), max_iters=3)[:, 0]
     Array([2., 4., 8.], dtype=float32)
   """
-  tiling = validation.check_options(step, implementation, interpret, block_rows, sort_rows)
+  tiling = validation.check_options(step, implementation, interpret, block_rows, sort_rows,
+                                    schedule)
   mode = grad_modes.as_mode(grad)
   max_iters = validation.check_max_iters(max_iters)
   batch = validation.batch_size(h0, x)

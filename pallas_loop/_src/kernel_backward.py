@@ -35,6 +35,7 @@ from pallas_loop._src import footprint as footprint_lib
 from pallas_loop._src import jaxpr_eval
 from pallas_loop._src import kernel_forward as kernel
 from pallas_loop._src import loop_reverse
+from pallas_loop._src import schedule as schedule_lib
 from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src import tiling
 from pallas_loop._src.operands import Gradients, WindowOperands
@@ -309,13 +310,18 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every,
       aligned=step_fn.indexed or step_fn.outputs, outputs=outputs, y_float=y_float)
 
 
-def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool) -> Gradients:
-  """Runs the backward kernel on the rows in tiles (`tiling.in_tiles`).
+def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool, schedule: str | None = None,
+        programs: int | None = None) -> Gradients:
+  """Runs the backward kernel on the rows in tiles: read and written by index
+  on Triton (`schedule.over_tiles`), gathered into tiles before and put back
+  after on Mosaic (`tiling.in_tiles`), as the forward (`kernel.run`).
 
   Args:
     wp: from `plan`, with no problems.
     ops: the window (consts: the caller's, in `step_fn.StepFn` order).
     sort_rows: order rows by descending window length before tiling.
+    schedule: None, "grid" or "persistent" (`schedule.resolve`).
+    programs: the persistent grid's size; None: the backend's rule.
 
   Returns:
     (g_params, g_consts, g_h_start, g_x), in the operands' dtypes (None for
@@ -371,11 +377,49 @@ def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool) -> Gradients:
     tile_sums = [next(it) if f else None for f in wp.shared_float]
     return (g_h, g_x), tile_sums
 
-  (g_h, g_x), tile_sums = tiling.in_tiles(
-      on_tiles, (ops.h_start, ops.x, ops.g, ops.t0, ops.row_ids,
-                 [a for a, f in zip(tree_util.tree_leaves(ops.g_ys), wp.y_float) if f]),
-      ops.n, rows=padded,
-      sort=sort_rows, must_be_finite=True)
+  g_ys_in = [a for a, f in zip(tree_util.tree_leaves(ops.g_ys), wp.y_float) if f]
+  batch = ops.n.shape[0]
+  if tile.backend.name not in schedule_lib.INDEXED_BACKENDS or batch == 0:
+    (g_h, g_x), tile_sums = tiling.in_tiles(
+        on_tiles, (ops.h_start, ops.x, ops.g, ops.t0, ops.row_ids, g_ys_in),
+        ops.n, rows=padded,
+        sort=sort_rows, must_be_finite=True)
+  else:  # rows read and written by index, in the caller's order
+    k = schedule_lib
+    h_leaves, x_in_leaves, g_leaves = (tree_util.tree_leaves(a)
+                                       for a in (ops.h_start, ops.x, ops.g))
+    g_ys_leaves = [kernel.to_output_layout(a) for a in g_ys_in]
+    # The padding positions read a window length of 0 (no step: no gradient).
+    n_col = jnp.pad(ops.n, (0, padded - batch)).reshape(padded, 1)
+    columns = [ops.t0.reshape(batch, 1), ops.row_ids.reshape(batch, 1)]
+    g_h_out = [struct((padded,) + a.shape[1:], a.dtype) for a in h_leaves]
+    g_x_out = [struct((padded,) + a.shape[1:], jnp.float32)
+               for a, f in zip(x_in_leaves, wp.x_float) if f]
+    g_shared_out = [struct((n_tiles,) + a.shape, jnp.float32)
+                    for a, f in zip(shared, wp.shared_float) if f]
+    scratch = [struct((size, padded) + a.shape[1:], a.dtype)
+               for size in wp.slots for a in h_leaves]
+    kinds = ([k.ROWS_PADDED_IN] + [k.ROWS_IN] * 2 + [k.SHARED] * len(shared)
+             + [k.ROWS_IN] * (len(h_leaves) + len(x_in_leaves) + len(g_leaves))
+             + [k.ROWS_IN_SLOTS] * len(g_ys_leaves)
+             + [k.ROWS_OUT] * (len(g_h_out) + len(g_x_out)) + [k.TILE] * len(g_shared_out)
+             + [k.SLOTS] * len(scratch))
+    n_programs = kernel.tile_count_programs(tile, n_tiles, schedule, programs)
+    load, store = tiling.slot_rows(ops.n, padded, sort=sort_rows)
+    outs = pl.pallas_call(
+        k.over_tiles(body, kinds, block_rows=tb, tiles=n_tiles, n_programs=n_programs),
+        grid=(n_programs,),
+        out_shape=[*g_h_out, *g_x_out, *g_shared_out, *scratch],
+        compiler_params=config.compiler_params,
+        interpret=tile.backend.interpret,
+        name=KERNEL_NAME,
+    )(load, store, n_col, *columns, *shared, *h_leaves, *x_in_leaves, *g_leaves,
+      *g_ys_leaves)
+    cut = lambda a: a if padded == batch else a[:batch]
+    it = iter(outs)
+    g_h = [cut(next(it)) for _ in h_leaves]
+    g_x = [cut(next(it)) if f else None for f in wp.x_float]
+    tile_sums = [next(it) if f else None for f in wp.shared_float]
   g_x = loop_reverse.cast_like(g_x, x_leaves)
 
   # Per-tile sums -> gradients of params, and of the caller's consts (a

@@ -25,15 +25,18 @@ import functools
 from typing import Any
 
 import jax
+from jax import lax
 from jax import tree_util
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import backend_triton
 from pallas_loop._src import footprint as footprint_lib
 from pallas_loop._src import jaxpr_eval
 from pallas_loop._src import loop as loop_lib
+from pallas_loop._src import schedule as schedule_lib
 from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src import tiling
 from pallas_loop._src.operands import LoopOperands, LoopOutputs
@@ -330,8 +333,14 @@ def _named_operands(params, traced, h0, x) -> list[tuple[str, Any]]:
 
 
 def run(tile_plan: TilePlan, ops: LoopOperands, *, sort_rows: bool,
-        residual: bool = True) -> LoopOutputs:
-  """Runs the kernel on the rows in tiles (`tiling.in_tiles`).
+        residual: bool = True, schedule: str | None = None,
+        programs: int | None = None) -> LoopOutputs:
+  """Runs the kernel on the rows in tiles.
+
+  On Triton (and its interpret mode) the kernel reads and writes its rows by
+  index in the caller's order (`schedule.over_tiles`, `tiling.slot_rows`);
+  on Mosaic the rows are gathered into tiles before and put back after
+  (`tiling.in_tiles`).
 
   Args:
     tile_plan: from `plan`, with no problems.
@@ -339,6 +348,9 @@ def run(tile_plan: TilePlan, ops: LoopOperands, *, sort_rows: bool,
       traced step's own constants from `tile_plan`).
     sort_rows: order rows by descending count before tiling.
     residual: track each row's last residual (else it is returned as 0).
+    schedule: None, "grid" or "persistent" (`schedule.resolve`).
+    programs: the persistent grid's size; None: the backend's rule
+      (`tile_count_programs`).
   """
   config = tile_plan.config
   assert not tile_plan.problems and config is not None, tile_plan.problems
@@ -381,8 +393,58 @@ def run(tile_plan: TilePlan, ops: LoopOperands, *, sort_rows: bool,
     ys_out = [from_output_layout(a, like) for a, like in zip(outs[n_h + 3:], y_avals)]
     return (h_out, *(a[:, 0] for a in outs[n_h:n_h + 3]), ys_out), None
 
-  (h, residual_out, steps, halted, ys_out), _ = tiling.in_tiles(
-      on_tiles, (ops.h0, ops.x, ops.row_ids), ops.counts, rows=padded, sort=sort_rows,
-      must_be_finite=False)
+  batch = ops.counts.shape[0]
+  if tile_plan.backend.name not in schedule_lib.INDEXED_BACKENDS or batch == 0:
+    (h, residual_out, steps, halted, ys_out), _ = tiling.in_tiles(
+        on_tiles, (ops.h0, ops.x, ops.row_ids), ops.counts, rows=padded, sort=sort_rows,
+        must_be_finite=False)
+  else:  # rows read and written by index, in the caller's order
+    h_leaves, x_leaves = tree_util.tree_leaves(ops.h0), tree_util.tree_leaves(ops.x)
+    h_shape = [jax.ShapeDtypeStruct((padded,) + a.shape[1:], a.dtype) for a in h_leaves]
+    kinds = ([schedule_lib.ROWS_IN] * 2
+             + [schedule_lib.SHARED] * (len(shared) + len(halting_ops))
+             + [schedule_lib.ROWS_IN] * (len(h_leaves) + len(x_leaves))
+             + [schedule_lib.ROWS_OUT] * (len(h_shape) + len(stats))
+             + [schedule_lib.ROWS_OUT_SLOTS] * len(ys))
+    tiles = padded // tb
+    n_programs = tile_count_programs(tile_plan, tiles, schedule, programs)
+    load, store = tiling.slot_rows(ops.counts, padded, sort=sort_rows)
+    outs = pl.pallas_call(
+        schedule_lib.over_tiles(kernel, kinds, block_rows=tb, tiles=tiles,
+                                n_programs=n_programs),
+        grid=(n_programs,),
+        out_shape=[*h_shape, *stats, *ys],
+        compiler_params=config.compiler_params,
+        interpret=tile_plan.backend.interpret,
+        name=KERNEL_NAME,
+    )(load, store, ops.counts.reshape(batch, 1), ops.row_ids.reshape(batch, 1), *shared,
+      *halting_ops, *h_leaves, *x_leaves)
+    n_h = len(h_leaves)
+    cut = lambda a, axis=0: a if padded == batch else lax.slice_in_dim(a, 0, batch, axis=axis)
+    h = tree_util.tree_unflatten(h_tree, [cut(a) for a in outs[:n_h]])
+    residual_out, steps, halted = (cut(a)[:, 0] for a in outs[n_h:n_h + 3])
+    ys_out = [from_output_layout(cut(a, 1), like) for a, like in zip(outs[n_h + 3:], y_avals)]
   ys_tree = None if tile_plan.outputs is None else tree_util.tree_unflatten(y_tree, ys_out)
   return LoopOutputs(h, residual_out, steps, halted > 0, ys_tree)
+
+
+def tile_count_programs(tile_plan: TilePlan, tiles: int, schedule: str | None,
+                        programs: int | None) -> int:
+  """The grid size of a kernel over `tiles` tiles: `tiles` for the grid
+  schedule; for the persistent one `programs`, or the backend's rule
+  (`backend_triton.persistent_programs`).
+
+  Args:
+    tile_plan: the kernel's plan (backend, configuration).
+    tiles: the tile count.
+    schedule: the caller's schedule (`schedule.resolve`).
+    programs: the persistent grid's size, or None.
+
+  Returns:
+    The number of programs, in [1, tiles].
+  """
+  if schedule_lib.resolve(tile_plan.backend.name, schedule) == "grid":
+    return tiles
+  if programs is None:
+    programs = backend_triton.persistent_programs(tile_plan.config, tiles)
+  return max(1, min(tiles, programs))

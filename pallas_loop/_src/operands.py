@@ -77,6 +77,7 @@ class Tiling:
   interpret: Any = None
   block_rows: int | None = None
   sort_rows: bool = True
+  schedule: str | None = None
 
   def as_kwargs(self) -> dict[str, Any]:
     """The options as `iterate` keyword arguments."""

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_loop._src.operands import Halting, Tiling
+from pallas_loop._src.schedule import SCHEDULES
 
 IMPLEMENTATIONS = (None, "pallas", "xla")
 
@@ -172,7 +173,7 @@ def halting_operands(tol: Any, halt: Callable[..., Any] | None,
 
 
 def check_options(step: Any, implementation: Any, interpret: Any, block_rows: Any,
-                  sort_rows: Any) -> Tiling:
+                  sort_rows: Any, schedule: Any = None) -> Tiling:
   """The tiling options after checks (and `step` is callable)."""
   if not callable(step):
     raise TypeError(f"step must be callable as step(params, h, x), got "
@@ -191,5 +192,7 @@ def check_options(step: Any, implementation: Any, interpret: Any, block_rows: An
       raise ValueError(f"{block_rows=} must be a positive int or None.")
   if not isinstance(sort_rows, bool):
     raise TypeError(f"{sort_rows=} must be a bool.")
+  if schedule is not None and schedule not in SCHEDULES:
+    raise ValueError(f"{schedule=} must be None, 'grid' or 'persistent'.")
   return Tiling(implementation=implementation, interpret=interpret, block_rows=block_rows,
-                sort_rows=sort_rows)
+                sort_rows=sort_rows, schedule=schedule)

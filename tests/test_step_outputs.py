@@ -237,3 +237,23 @@ def test_the_kernels_lower_with_outputs_for_gpu_and_tpu(platform, grad):
   assert "pallas_loop_iterate_fwd" in text
   if grad:
     assert "pallas_loop_iterate_bwd" in text
+
+
+def test_kernel_outputs_under_vmap():
+  """vmap over the kernel (a batch of batches): outputs and gradients."""
+  w, h0, x = _inputs(seed=13)
+  n = cases.counts("ragged", B, T, seed=14)
+  hs = jnp.stack([h0, -0.5 * h0])
+  kw = dict(iters=n, max_iters=T, step_outputs=True)
+
+  def total(run, w_):
+    h, ys = jax.vmap(lambda h_: run(_step, w_, h_, x, **kw))(hs)
+    return jnp.sum(h ** 2) + jnp.sum(jnp.cos(ys["pred"])) + jnp.sum(ys["p"])
+
+  run = functools.partial(pallas_loop.iterate, **IMPLS["pallas"])
+  with _padding("pallas"):
+    got = jax.vmap(lambda h_: run(_step, w, h_, x, **kw))(hs)
+    got_grad = jax.grad(lambda w_: total(run, w_))(w)
+  oracle.assert_trees_close(got, jax.vmap(lambda h_: reference.iterate(_step, w, h_, x, **kw))(hs))
+  oracle.assert_trees_close(got_grad, jax.grad(lambda w_: total(reference.iterate, w_))(w),
+                            what="gradient")

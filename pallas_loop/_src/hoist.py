@@ -210,26 +210,34 @@ class Hoisted:
   _params_read: tuple  # per params leaf: read by the loop
   _x_read: tuple       # per x leaf: read by the loop
 
-  def operands(self, params: Any, x: Any) -> tuple[Any, Any]:
+  @property
+  def consts(self) -> tuple:
+    """The values of the constants the residuals read (the traced body's)."""
+    return self._program.consts
+
+  def operands(self, params: Any, x: Any, consts: Any = None) -> tuple[Any, Any]:
     """The hoisted body's `(params2, x2)` for the operands `params`, `x`.
 
     `params2 = (params leaves the loop reads, shared residuals)` and
     `x2 = (x leaves the loop reads, per-row residuals)`, leaves the loop does
     not read as None. The residuals are computed here as batched ops over
-    all rows, where `iterate` is traced: outside the loop and its
-    custom_vjp, so JAX differentiates them.
+    the rows of `x`, outside the loop and its custom_vjp, so JAX
+    differentiates them. `consts` replaces the values of `self.consts`
+    (None: those found by the trace), so that a caller can pass them in as
+    operands (e.g. of the shard_map that runs each device's rows).
     """
-    shared, per_row = self.residuals(params, x)
+    shared, per_row = self.residuals(params, x, consts)
     keep = lambda leaves, read: [v if r else None for v, r in zip(leaves, read)]
     return ((keep(tree_util.tree_leaves(params), self._params_read), shared),
             (keep(tree_util.tree_leaves(x), self._x_read), per_row))
 
-  def residuals(self, params: Any, x: Any) -> tuple[list, list]:
+  def residuals(self, params: Any, x: Any, consts: Any = None) -> tuple[list, list]:
     """The residuals as batched ops over all rows: (shared, per-row) lists."""
     p = self._program
+    consts = p.consts if consts is None else consts
     n_front = len(p.consts) + len(tree_util.tree_leaves(params))
     x_leaves = tree_util.tree_leaves(x)
-    env = dict(zip(p.inputs[:n_front], [*p.consts, *tree_util.tree_leaves(params)]))
+    env = dict(zip(p.inputs[:n_front], [*consts, *tree_util.tree_leaves(params)]))
     env.update(zip(p.inputs[n_front + self._n_h:], x_leaves))  # the state is not read
     _evaluate(p, list(self._known), env)
     return [env[i] for i in self._shared], [env[i] for i in self._per_row]

@@ -197,13 +197,10 @@ def iterate(
   # Per-step outputs travel row-major, [B, max_iters, ...], inside.
   ys_avals = None if not step_outputs else step_fn_lib.output_buffer_avals(
       y_shape, batch, max_iters)
-  loop_params, loop_x = params, x
-  if hoist:
-    hoisted, _ = hoist_lib.split(body, params, h0, x)
-    if hoisted is not None:
-      loop_params, loop_x = hoisted.operands(params, x)
-      body = hoisted.body
-      consts, _ = step_fn_lib.trace_step(body, loop_params, h0, loop_x)
+  hoisted = hoist_lib.split(body, params, h0, x)[0] if hoist else None
+  if hoisted is not None:
+    body = hoisted.body
+    consts, _ = step_fn_lib.trace_step(body, *_hoisted_shapes(hoisted, params, h0, x))
   fn = step_fn_lib.StepFn(body, tuple(consts), indexed=step_index, outputs=step_outputs)
 
   # The residual is only computed when it is returned.
@@ -211,11 +208,16 @@ def iterate(
       fn=fn, forward=dispatch.forward_fn(fn, tiling, residual=return_info, outputs=ys_avals),
       window=dispatch.window_fn(fn, tiling), max_iters=max_iters,
       iterate=functools.partial(iterate, hoist=hoist, **tiling.as_kwargs()))
-  # Rows sharded over explicit mesh axes: run the loop (differentiable) on
-  # each device's own rows (`sharding.py`); else the loop itself.
-  loop = sharding.per_shard(_differentiable(mode, ctx, step_fn_lib.avals(h0), ys_avals))
-  out = loop(LoopOperands(loop_params, consts, h0, loop_x, counts,
-                          jnp.arange(batch, dtype=jnp.int32), halting))
+  loop = _differentiable(mode, ctx, step_fn_lib.avals(h0), ys_avals)
+  loop_params = params
+  if hoisted is not None:
+    loop = _with_residuals(hoisted, loop)
+    loop_params = (params, list(hoisted.consts))
+  # Rows sharded over explicit mesh axes: run the loop (differentiable, and
+  # the hoisted residuals before it) on each device's own rows
+  # (`sharding.py`); else the loop itself.
+  out = sharding.per_shard(loop)(LoopOperands(
+      loop_params, consts, h0, x, counts, jnp.arange(batch, dtype=jnp.int32), halting))
   result = out.h
   if step_outputs:  # stacked like lax.scan's ys: [max_iters, B, ...]
     result = (out.h, tree_util.tree_map(lambda a: jnp.swapaxes(a, 0, 1), out.ys))
@@ -224,6 +226,29 @@ def iterate(
   info = info_lib.IterateInfo(steps=out.steps, residual=lax.stop_gradient(out.residual),
                               halted=out.halted)
   return (*result, info) if step_outputs else (result, info)
+
+
+def _hoisted_shapes(hoisted: hoist_lib.Hoisted, params: Any, h0: Any, x: Any) -> tuple:
+  """The avals `(params2, h0, x2)` the hoisted body is traced at."""
+  params2, x2 = jax.eval_shape(hoisted.operands, params, x)
+  return params2, h0, x2
+
+
+def _with_residuals(hoisted: hoist_lib.Hoisted,
+                    loop: Callable[[LoopOperands], LoopOutputs]) -> Callable[[LoopOperands], LoopOutputs]:
+  """`loop` on the hoisted operands: `ops.params` is `(params, the residuals'
+  constants)`, and the residuals are computed from it and `ops.x` as batched
+  ops over the rows at hand, outside `loop`'s custom_vjp, so JAX
+  differentiates them. Under `sharding.per_shard` that is each device's own
+  rows: no row moves, and `x @ U` over sharded rows needs no transpose rule
+  of its own."""
+
+  def run(ops: LoopOperands) -> LoopOutputs:
+    params, consts = ops.params
+    params2, x2 = hoisted.operands(params, ops.x, consts)
+    return loop(ops._replace(params=params2, x=x2))
+
+  return run
 
 
 def _differentiable(mode: grad_modes.GradMode, ctx: grad_modes.Context,

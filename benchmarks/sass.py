@@ -239,7 +239,8 @@ def count(instructions: list[Instruction]) -> dict[str, int]:
 
   Returns:
     {"instructions", "hmma", "hgmma", "ldsm", "lds", "sts", "bar", "mufu",
-    "ldg", "stg"}: how many of each.
+    "ldg", "stg", "ldl", "stl"}: how many of each (LDL/STL: local memory,
+    where ptxas spills).
 
   Example:
     >>> f = parse('''.section .text.k
@@ -263,6 +264,8 @@ def count(instructions: list[Instruction]) -> dict[str, int]:
       "mufu": sum(b == "MUFU" for b in base),
       "ldg": sum(b == "LDG" for b in base),
       "stg": sum(b == "STG" for b in base),
+      "ldl": sum(b == "LDL" for b in base),
+      "stl": sum(b == "STL" for b in base),
   }
 
 

@@ -62,6 +62,32 @@ def test_footprint_counts_dots_and_weight_gradients():
   assert fp.row_bytes == (64 + 32) * 2
 
 
+def test_held_weight_used_only_widened_is_counted_widened():
+  # A float32 cotangent against a bfloat16 weight. Held, Triton hoists the
+  # weight's cast out of the loop with its staging, so it stays staged as
+  # float32 (compile report: the implicit adjoint's GRU step, 200 KB), unless
+  # a dot also uses the weight at its own width (the backward kernel's
+  # recomputed forward step), which keeps it staged as bfloat16.
+  def adjoint(w, u):
+    return jax.lax.dot_general(u, w.T, (((1,), (0,)), ((), ())))   # u @ w.T
+
+  def backward(w, u, h):
+    return adjoint(w, u), jnp.dot(h, w)
+
+  w = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
+  u = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+  h = jax.ShapeDtypeStruct((16, 128), jnp.bfloat16)
+  measure = lambda f, *rows: footprint_lib.measure(
+      [(jax.make_jaxpr(f)(w, *rows).jaxpr, 1)], batch=4096, block_rows=16,
+      shared_avals=[w], row_block_avals=list(rows))
+  fp = measure(adjoint, u)
+  (dot,) = fp.dots
+  assert dot.operand_bytes == (16 * 64 * 4, 64 * 128 * 2)
+  assert fp.shared_dot_bytes() == 64 * 128 * 4
+  fp = measure(backward, u, h)
+  assert fp.shared_dot_bytes() == 2 * 64 * 128 * 2
+
+
 # --- the Triton rule ------------------------------------------------------------
 
 def _plans(block, d, dtype, *, grad, implementation=None, batch=4096, platform="cuda",

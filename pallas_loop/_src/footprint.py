@@ -35,10 +35,14 @@ class Dot:
     itemsizes: bytes per element of each operand as the kernel stages it: a
       row operand in the dot's one dtype (`jaxpr_eval.py` casts the narrower
       operand to the wider), a shared operand in its own dtype (measured:
-      Triton stages a loaded bfloat16 weight as bfloat16 and widens it after).
+      Triton stages a loaded bfloat16 weight as bfloat16 and widens it
+      after; but see `Footprint.shared_dot_bytes`).
     lhs_shared, rhs_shared: whether the operand is computed from the shared
       operands alone (a weight, or a cast/transpose of one), not from rows.
     flops: 2 * output elements * contracted size.
+    roots: for each shared operand, the shared input (or constant) it is
+      computed from (a cast or transpose keeps its root); None for a row
+      operand.
   """
 
   lhs: tuple[int, ...]
@@ -51,6 +55,7 @@ class Dot:
   wide_itemsize: int = 4
   out: tuple[int, ...] = ()
   contracts_rows: bool = False  # sums over the tile's rows: a weight gradient
+  roots: tuple[Any, Any] = dataclasses.field(default=(None, None), compare=False)
 
   @property
   def accumulator_bytes(self) -> int:
@@ -109,9 +114,24 @@ class Footprint:
     return sum(d.flops for d in self.dots)
 
   def shared_dot_bytes(self) -> int:
-    """Bytes of the distinct shared dot operands: what holding them costs."""
-    return sum(b for d in self.dots for b, s in zip(d.operand_bytes, (d.lhs_shared, d.rhs_shared))
-               if s)
+    """Bytes of the shared dot operands, per dot: what holding them costs.
+
+    A held weight is loop-invariant, and so is its cast to a dot's wider
+    dtype: where no dot uses the weight at its own width, Triton hoists the
+    cast with the staging and keeps the weight in shared memory widened
+    (measured: the implicit adjoint's GRU step at D=128, float32 cotangents
+    against bfloat16 weights, staged its three [128, 128] weights as float32,
+    200 KB). A weight some dot also uses at its own width (the backward
+    kernel's recomputed forward step) stays staged at it (the tanh RNN's
+    backward: 72 KB for two bfloat16 weights).
+    """
+    operands = [(d, shape, size, root)
+                for d in self.dots
+                for shape, size, root, s in zip((d.lhs, d.rhs), d.itemsizes, d.roots,
+                                                (d.lhs_shared, d.rhs_shared)) if s]
+    own_width = {id(root) for d, _, size, root in operands if size == d.wide_itemsize}
+    return sum(math.prod(shape) * (size if id(root) in own_width else d.wide_itemsize)
+               for d, shape, size, root in operands)
 
   def largest_dot_bytes(self, split_budget: int | None = None) -> int:
     """Both operands of the largest dot: what staging one dot costs (re-read
@@ -133,10 +153,11 @@ def _nbytes(aval: Any) -> int:
   return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
 
 
-def _dot(eqn: jex_core.JaxprEqn, shared: tuple[bool, bool], rhs_direct: bool, rows: int) -> Dot:
+def _dot(eqn: jex_core.JaxprEqn, roots: tuple[Any, Any], rhs_direct: bool, rows: int) -> Dot:
   a: Any
   b: Any
   a, b = (v.aval for v in eqn.invars)
+  shared = (roots[0] is not None, roots[1] is not None)
   (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
   sizes = [np.dtype(a.dtype).itemsize, np.dtype(b.dtype).itemsize]
   wide = max(sizes)
@@ -153,28 +174,31 @@ def _dot(eqn: jex_core.JaxprEqn, shared: tuple[bool, bool], rhs_direct: bool, ro
   return Dot(tuple(a.shape), tuple(b.shape), staged, shared[0], shared[1],
              2 * math.prod(out) * contracted,
              split_axis=rc[0] if splittable else None, wide_itemsize=wide,
-             out=out, contracts_rows=contracts_rows)
+             out=out, contracts_rows=contracts_rows, roots=roots)
 
 
-def _walk(jaxpr: jex_core.Jaxpr, shared_in: list[bool], dots: list[Dot], largest: list[int],
-          rows: int, top: bool = False) -> list[bool]:
-  """Records the dots of `jaxpr`; returns which outputs are shared-derived.
+def _walk(jaxpr: jex_core.Jaxpr, roots_in: list[Any], dots: list[Dot], largest: list[int],
+          rows: int, top: bool = False) -> list[Any]:
+  """Records the dots of `jaxpr`; returns the outputs' roots.
 
-  `top`: the jaxpr the kernel evaluates, whose shared inputs stay refs read
-  where used (inside inlined calls they arrive loaded).
+  A value's root is the shared input or constant it is computed from (the
+  first such input of the equation that made it), or None where a row value
+  enters it: what `Dot.roots` holds. `top`: the jaxpr the kernel evaluates,
+  whose shared inputs stay refs read where used (inside inlined calls they
+  arrive loaded).
   """
-  shared = {}
-  for v, s in zip(jaxpr.invars, shared_in):
-    shared[v] = s
+  root: dict[Any, Any] = {}
+  for v, r in zip(jaxpr.invars, roots_in):
+    root[v] = r
   for v in jaxpr.constvars:
-    shared[v] = True
-  direct = {v for v, s in shared.items() if s} if top else set()
+    root[v] = v
+  direct = {v for v, r in root.items() if r is not None} if top else set()
 
-  def is_shared(v: jex_core.Var | jex_core.Literal) -> bool:
-    return True if isinstance(v, jex_core.Literal) else shared.get(v, False)
+  def root_of(v: jex_core.Var | jex_core.Literal) -> Any:
+    return v if isinstance(v, jex_core.Literal) else root.get(v)
 
   for eqn in jaxpr.eqns:
-    ins = [is_shared(v) for v in eqn.invars]
+    ins = [root_of(v) for v in eqn.invars]
     for v in eqn.outvars:
       shape = getattr(v.aval, "shape", ())
       if shape and shape[0] == rows:
@@ -188,15 +212,19 @@ def _walk(jaxpr: jex_core.Jaxpr, shared_in: list[bool], dots: list[Dot], largest
         # A loop or branch inside the step: its operands' provenance is not
         # followed; counting all of them as shared over-estimates what
         # holding costs, never under-estimates it.
-        _walk(sub_jaxpr, [True] * len(sub_jaxpr.invars), dots, largest, rows)
+        _walk(sub_jaxpr, list(sub_jaxpr.invars), dots, largest, rows)
       if eqn.primitive.name == "dot_general":
         rhs = eqn.invars[1]
         dots.append(_dot(eqn, (ins[0], ins[1]),
                          not isinstance(rhs, jex_core.Literal) and rhs in direct, rows))
-      outs = [all(ins)] * len(eqn.outvars)
-    for v, s in zip(eqn.outvars, outs):
-      shared[v] = s
-  return [is_shared(v) for v in jaxpr.outvars]
+      made = None
+      if all(r is not None for r in ins):
+        made = next((r for v, r in zip(eqn.invars, ins)
+                     if not isinstance(v, jex_core.Literal)), eqn.outvars[0])
+      outs = [made] * len(eqn.outvars)
+    for v, r in zip(eqn.outvars, outs):
+      root[v] = r
+  return [root_of(v) for v in jaxpr.outvars]
 
 
 def measure(jaxprs_and_shared: Iterable[tuple[jex_core.Jaxpr, int]], *, batch: int,
@@ -217,8 +245,8 @@ def measure(jaxprs_and_shared: Iterable[tuple[jex_core.Jaxpr, int]], *, batch: i
   dots: list[Dot] = []
   largest = [0]
   for jaxpr, n_shared in jaxprs_and_shared:
-    _walk(jaxpr, [i < n_shared for i in range(len(jaxpr.invars))], dots, largest, block_rows,
-          top=True)
+    _walk(jaxpr, [v if i < n_shared else None for i, v in enumerate(jaxpr.invars)], dots,
+          largest, block_rows, top=True)
   shared_bytes = sum(_nbytes(a) for a in shared_avals)
   row_block_bytes = sum(_nbytes(a) for a in row_block_avals)
   return Footprint(

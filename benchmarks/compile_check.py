@@ -759,8 +759,8 @@ def loop_table(results: list[dict]) -> str:
 
   head = ("| case | kernel | grid | warps | registers | spills st/ld (B) | shared mem (B) "
           "| programs/SM (regs, smem, warps) | SASS/trip | HMMA | HGMMA | LDSM | LDS | BAR "
-          "| MUFU | inner loops | other step loops (SASS, MMA) |")
-  rows = [head, "|" + "---|" * 17]
+          "| MUFU | MMA chain | float math | inner loops | other step loops (SASS, MMA) |")
+  rows = [head, "|" + "---|" * 19]
   missing = []
   for r in results:
     if r["case"]["target"] != "h200" or r["case"]["control"] or not r.get("compiled"):
@@ -792,7 +792,8 @@ def loop_table(results: list[dict]) -> str:
           spills, _cell(got.get("shared_memory_bytes")), occupancy,
           _cell(trip.get("instructions")), _cell(trip.get("hmma")), _cell(trip.get("hgmma")),
           _cell(trip.get("ldsm")), _cell(trip.get("lds")), _cell(trip.get("bar")),
-          _cell(trip.get("mufu")), inner, others]) + " |")
+          _cell(trip.get("mufu")), _cell(trip.get("mma_chain")), _cell(trip.get("float_math")),
+          inner, others]) + " |")
   if len(rows) == 2 and not missing:
     return ""
   text = ("\n## H200 kernels: one trip of the main loop (SASS, per warp)\n\n"
@@ -803,7 +804,10 @@ def loop_table(results: list[dict]) -> str:
           "recomputation, the VJP steps), the one with the most MMAs, the others listed. "
           "Programs per SM: the least of what the registers (65,536, in 256-register warp "
           "units), shared memory (228 KB, 1 KB reserved per program), warps (64) and "
-          "blocks (32) allow.\n\n")
+          "blocks (32) allow. MMA chain: the longest run of MMAs each accumulating into "
+          "the one before's result (the dot's latency in a trip, `sass.mma_chain`); float "
+          "math: floating-point instructions besides the MMAs (the step's elementwise "
+          "work).\n\n")
   if len(rows) > 2:
     text += "\n".join(rows) + "\n"
   if missing:
@@ -822,6 +826,7 @@ def _trip_summary(got: dict) -> dict | None:
   programs = (sass.programs_per_sm(got["registers"], got["shared_memory_bytes"], warps)
               ["programs"] if warps and "shared_memory_bytes" in got else None)
   return {"instructions": trip["instructions"], "mma": trip["hmma"] + trip["hgmma"],
+          "chain": trip.get("mma_chain"), "float_math": trip.get("float_math"),
           "registers": got["registers"], "spills": got.get("spill_store_bytes"),
           "programs": programs}
 
@@ -836,8 +841,8 @@ def hoist_table(results: list[dict]) -> str:
   """
   by_label = {(r["case"]["target"], r["label"]): r for r in results}
   head = ("| block | kernel | SASS/trip before -> after | MMA/trip before -> after "
-          "| registers | spill stores (B) | programs/SM | goals (forward) |")
-  rows = [head, "|" + "---|" * 8]
+          "| MMA chain | float math | registers | spill stores (B) | programs/SM | goals (forward) |")
+  rows = [head, "|" + "---|" * 10]
   for block in HOIST_BEFORE_AFTER:
     after = by_label.get(("h200", f"{block} D=128 bfloat16 full"))
     before = by_label.get(("h200", f"{block} D=128 bfloat16 full hoist=False"))
@@ -860,7 +865,8 @@ def hoist_table(results: list[dict]) -> str:
       change = (f" ({100 * (a['instructions'] - b['instructions']) / b['instructions']:+.0f}%)"
                 if b["instructions"] else "")
       rows.append("| " + " | ".join([
-          block, kernel, pair("instructions") + change, pair("mma"), pair("registers"),
+          block, kernel, pair("instructions") + change, pair("mma"), pair("chain"),
+          pair("float_math"), pair("registers"),
           pair("spills"), pair("programs"), goals]) + " |")
   if len(rows) == 2:
     return ""

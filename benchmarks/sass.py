@@ -269,6 +269,53 @@ def count(instructions: list[Instruction]) -> dict[str, int]:
   }
 
 
+def _operands(instruction: Instruction) -> list[str]:
+  m = _INSTRUCTION.match(instruction.text)
+  rest = m.group("rest") if m else ""
+  return [o.strip().split(".")[0].lstrip("-|") for o in rest.split(",") if o.strip()]
+
+
+def mma_chain(instructions: list[Instruction]) -> int:
+  """The longest chain of MMAs each accumulating into the one before's result.
+
+  An MMA (`HMMA D, A, B, C`) waits for the MMA that wrote its accumulator
+  `C`, so a [16, K] x [K, N] dot split in K steps of 16 is a chain K/16 deep
+  per accumulator: the chain's depth, not the MMA count, sets the dot's
+  latency in a step. Registers are followed by the base register an
+  instruction names (an accumulator is a run of registers from it); any
+  other instruction writing that register ends the chain.
+
+  Args:
+    instructions: e.g. a loop's body, in address order.
+
+  Returns:
+    The depth (0 without MMAs).
+
+  Example:
+    >>> f = parse('''.section .text.k
+    ...   /*0000*/   HMMA.16816.F32.BF16 R0, R4, R8, RZ ;
+    ...   /*0010*/   HMMA.16816.F32.BF16 R12, R4, R10, RZ ;
+    ...   /*0020*/   HMMA.16816.F32.BF16 R0, R6.reuse, R8, R0 ;
+    ...   /*0030*/   FADD R12, R12, 1 ;
+    ...   /*0040*/   HMMA.16816.F32.BF16 R12, R6, R10, R12 ;''')["k"]
+    >>> mma_chain(f.instructions)  # R0: 2 deep; the FADD cut R12's chain
+    2
+  """
+  depth: dict[str, int] = {}
+  longest = 0
+  for instruction in instructions:
+    operands = _operands(instruction)
+    if not operands:
+      continue
+    if _is_mma(instruction.opcode):
+      d = depth.get(operands[-1], 0) + 1
+      depth[operands[0]] = d
+      longest = max(longest, d)
+    else:
+      depth.pop(operands[0], None)
+  return longest
+
+
 def loop_report(function: Function) -> dict:
   """What one trip of the step's loop runs, per warp, and the kernel's totals.
 
@@ -277,7 +324,8 @@ def loop_report(function: Function) -> dict:
 
   Returns:
     {"loop": [start, end] addresses of `step_loop` or None, "per_trip":
-    counts of its body (`count`), "inner_loops": [{"start", "end", **counts}]
+    counts of its body (`count`, with "mma_chain": `mma_chain`, and
+    "float_math": floating-point instructions besides the MMAs), "inner_loops": [{"start", "end", **counts}]
     nested in it, "other_step_loops": the same for the kernel's other step
     loops, "loops": how many loops the kernel has, "total": counts of the
     whole kernel}.
@@ -301,7 +349,11 @@ def loop_report(function: Function) -> dict:
   if loop is None:
     return out
   out["loop"] = [loop.start, loop.end]
-  out["per_trip"] = count(_body(function, loop))
+  body = _body(function, loop)
+  out["per_trip"] = count(body)
+  out["per_trip"]["mma_chain"] = mma_chain(body)
+  # Floating-point arithmetic besides the MMAs: the step's elementwise math.
+  out["per_trip"]["float_math"] = sum(bool(_FLOAT_MATH.match(i.opcode)) for i in body)
   out["inner_loops"] = [dict(start=l.start, end=l.end, **count(_body(function, l)))
                         for l in all_loops if loop.contains(l)]
   out["other_step_loops"] = [dict(start=l.start, end=l.end, **count(_body(function, l)))

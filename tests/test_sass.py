@@ -41,6 +41,21 @@ def test_forward_kernel_loop_counts_match_the_disassembly():
   assert report["total"]["instructions"] > trip["instructions"]
 
 
+def test_hoisting_halves_the_dependent_mma_chain_and_leaves_the_elementwise_math():
+  # The same kernel compiled with x @ U hoisted out of the loop (the default).
+  before, after = (sass.loop_report(sass.parse(_sample(name))["pallas_loop_iterate_fwd"])
+                   ["per_trip"] for name in ("sass_tanh_rnn_fwd_h200.sass",
+                                             "sass_tanh_rnn_fwd_hoisted_h200.sass"))
+  # Before: h @ W + x @ U accumulated as one chain of K/16 = 16 MMAs per
+  # accumulator; after: h @ W alone, 8 deep.
+  assert (before["hmma"], before["mma_chain"]) == (32, 16)
+  assert (after["hmma"], after["mma_chain"]) == (16, 8)
+  # The tanh (libdevice's: two MUFU and ~13 FP instructions per element, 8
+  # elements a thread) is most of a trip either way.
+  assert before["float_math"] == after["float_math"] == 120
+  assert (before["instructions"], after["instructions"]) == (240, 219)
+
+
 def test_backward_kernel_has_three_step_loops_and_the_vjp_is_the_main_one():
   function = sass.parse(_sample("sass_tanh_rnn_bwd_h200.sass.gz"))["pallas_loop_iterate_bwd"]
   all_loops = sass.loops(function)
@@ -180,7 +195,7 @@ def test_loop_table_rows_and_missing_captures():
   row = next(l for l in table.splitlines() if "pallas_loop_iterate_fwd" in l)
   cells = [c.strip() for c in row.strip("|").split("|")]
   assert cells[2:] == ["256", "8", "128", "0 / 0", "73,728", "**2** (2, 3, 8)", "240", "32",
-                       "0", "16", "0", "2", "16", "none", "none"]
+                       "0", "16", "0", "2", "16", "16", "120", "none", "none"]
   assert "* gru D=128 bfloat16 full: not captured: no nvdisasm in /x/bin" in table
   assert compile_check.loop_table([]) == ""
 

@@ -16,6 +16,7 @@ import pytest
 import pallas_loop
 from benchmarks import blocks
 from benchmarks import cases as bench_cases
+from pallas_loop._src import backend as backend_lib
 from pallas_loop._src import kernel_backward
 from pallas_loop._src import kernel_forward
 from pallas_loop._src import notices
@@ -156,3 +157,34 @@ def test_gpu_suite_shapes_lower_with_the_default_tile(block, d):
   else:
     with pytest.raises(ValueError, match="weight gradient"):
       lowering.export_text(_fwd_bwd(f), params, h0, x, n, platform="cuda")
+
+
+def _dot_precisions(jaxpr):
+  """(operand dtypes, precision) of every dot_general in `jaxpr`, recursively."""
+  return [(tuple(str(v.aval.dtype) for v in e.invars), e.params["precision"])
+          for e in backend_lib.iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
+
+
+@pytest.mark.parametrize("interpret", ["triton", "mosaic"])
+def test_bf16_dots_in_the_kernels_ignore_highest_precision(interpret):
+  """Under `jax.default_matmul_precision("highest")` a traced bf16 dot carries
+  HIGHEST; Mosaic lowers that to an fp32 contraction and rejects the bf16
+  operands ("Bad lhs type", on a TPU v5e). The kernels' dots on 16-bit floats
+  run at DEFAULT (the same exact products), float32 ones keep HIGHEST."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  mode = True if interpret == "triton" else pltpu.InterpretParams()
+  step, params, h0, x = blocks.make("gru", 32, 16, jnp.bfloat16)
+  loss = lambda p, h, x_: jnp.sum(pallas_loop.iterate(
+      step, p, h, x_, iters=3, max_iters=4, implementation="pallas", interpret=mode,
+      hoist=False).astype(jnp.float32))
+  with jax.default_matmul_precision("highest"):
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params, h0, x).jaxpr
+  kernels = [e.params["jaxpr"] for e in backend_lib.iter_eqns(jaxpr)
+             if e.primitive.name == "pallas_call"]
+  assert len(kernels) == 2  # the forward and the backward kernel
+  dots = [d for k in kernels for d in _dot_precisions(k)]
+  narrow = [p for dtypes, p in dots if "float32" not in dtypes]
+  wide = [p for dtypes, p in dots if set(dtypes) == {"float32"}]
+  assert narrow and wide
+  assert all(p == (jax.lax.Precision.DEFAULT,) * 2 for p in narrow), narrow
+  assert all(p == (jax.lax.Precision.HIGHEST,) * 2 for p in wide), wide

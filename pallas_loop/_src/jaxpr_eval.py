@@ -163,11 +163,13 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
         invals = _fenced(eqn, invals, [v in computed for v in eqn.invars], swapped=True)
       outs = [_swapped_dot(eqn, *_matched(invals))]
     else:
+      params = eqn.params
       if eqn.primitive.name == "dot_general":
         if fence:
           invals = _fenced(eqn, invals, [v in computed for v in eqn.invars])
         invals = _matched(invals)
-      bind = eqn.primitive.get_bind_params(eqn.params)
+        params = dict(params, precision=narrow_dot_precision(params["precision"], invals))
+      bind = eqn.primitive.get_bind_params(params)
       # (subfuns, params) before JAX 0.11, params from 0.11 on.
       subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
       with eqn.ctx.manager:
@@ -261,9 +263,38 @@ def _merged_dot(eqn: jex_core.JaxprEqn, lhs: jax.Array, rhs: jax.Array) -> jax.A
   a, b = lhs.reshape((lead, -1)), rhs.reshape((lead, -1))
   with eqn.ctx.manager:
     out = jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
-                              precision=eqn.params.get("precision"),
+                              precision=narrow_dot_precision(eqn.params.get("precision"),
+                                                             (a, b)),
                               preferred_element_type=eqn.params.get("preferred_element_type"))
   return out.reshape(eqn.outvars[0].aval.shape)  # type: ignore[attr-defined]
+
+
+def narrow_dot_precision(precision: Any, operands: Sequence[Any]) -> Any:
+  """A dot's precision, DEFAULT where both operands are narrow floats.
+
+  Under `jax.default_matmul_precision("highest")` (or an explicit
+  `precision=`), a traced dot carries HIGHEST whatever its operands' dtype.
+  XLA ignores it for bfloat16 operands, but Mosaic lowers it to an fp32
+  contraction and then rejects the bfloat16 operands ("Bad lhs type",
+  measured on a TPU v5e, JAX 0.10.2). A product of two 16-bit floats
+  accumulated in float32 is exact at any precision, so DEFAULT computes
+  the same sum. (Passed explicitly: `lax.dot_general(precision=None)` would
+  read the configured default again.)
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> a = jnp.ones((8, 8), jnp.bfloat16)
+    >>> narrow_dot_precision(jax.lax.Precision.HIGHEST, (a, a))
+    (Precision.DEFAULT, Precision.DEFAULT)
+    >>> narrow_dot_precision(None, (a.astype(jnp.float32),) * 2) is None
+    True
+  """
+  if precision is None or isinstance(precision, jax.lax.DotAlgorithmPreset):
+    return precision
+  dtypes = [np.dtype(a.dtype) for a in operands]
+  if all(jax.numpy.issubdtype(d, jax.numpy.floating) and d.itemsize < 4 for d in dtypes):
+    return (jax.lax.Precision.DEFAULT, jax.lax.Precision.DEFAULT)
+  return precision
 
 
 def _matched(invals: list[Any]) -> list[Any]:

@@ -13,6 +13,12 @@ did):
    kernel, or XLA with the warning) and with `"pallas"`, against
    `reference.iterate`, padded rows poisoned with NaN. Compile seconds are
    recorded per item.
+   Then every feature that changes what the kernels do (gradient modes,
+   halting, keys, the step index, per-step outputs, hoisting, an int32
+   leaf, pytree state, unsorted rows) through
+   `pallas_loop.testing.check_against_reference` (`feature_check.py`). On
+   a TPU, next, the tile-height sweep (`tiles.tpu_sweep`: 128 to 2048 rows
+   beside the masked scan), the TPU's first design question.
 2. Which design wins (`design_variants`): the fused kernel with and without
    loop-invariant hoisting (`hoist=True/False`) and under each tile schedule
    (`schedule="grid"/"persistent"`) against the masked scan and
@@ -25,7 +31,8 @@ did):
    forward, and forward+backward on recurrent-depth counts); ratios within
    this run, medians.
 4. The gradient modes (forward kernel + fused backward kernel vs jit(grad)
-   of the masked scan) and the block_rows 16 / 32 / 64 sweep.
+   of the masked scan, float32 at "highest" matmul precision) and, on a GPU,
+   the block_rows 16 / 32 / 64 sweep.
 5. D=256 timing.
 
 `--budget` (seconds, default 420: the 8-minute device allowance less start-up)
@@ -53,6 +60,7 @@ import pallas_loop
 from pallas_loop import _reference as reference
 from benchmarks import blocks
 from benchmarks import cases
+from benchmarks import feature_check
 from benchmarks import grad_modes
 from benchmarks import harness
 from benchmarks import tiles
@@ -91,8 +99,8 @@ def check_block(block: str, batch: int, d: int, max_iters: int, implementation) 
     out[f"{what}_max_error"] = harness.max_error(got, want)
     out[f"{what}_finite"] = bool(all(np.isfinite(np.asarray(a, np.float32)).all()
                                      for a in jax.tree.leaves(got)))
-  # The error of the bf16 reference from a float32 run bounds what a bf16
-  # recurrence may differ by; gradients get the harness's looser factor.
+  # Errors are scaled by each leaf's magnitude (`harness.max_error`): the
+  # parameter gradients are sums over thousands of bf16 rows.
   tol = harness.tolerance("bfloat16", max_iters)
   out["ok"] = (out["forward_finite"] and out["grad_finite"]
                and out["forward_max_error"] <= tol and out["grad_max_error"] <= 100 * tol)
@@ -233,6 +241,15 @@ def _items(args) -> Iterator[tuple[str, Callable[[], list[dict]]]]:
     for impl in (None, "pallas"):
       yield (f"check {block} implementation={impl}",
              lambda block=block, impl=impl: [check_block(block, batch, d, max_iters, impl)])
+  # Every feature that changes what the kernels do, against the oracle.
+  for feature in feature_check.FEATURES:
+    yield (f"feature {feature.name}",
+           lambda feature=feature: [feature_check.run(feature, *feature_check.sizes(args.smoke))])
+  if jax.default_backend() == "tpu" and not args.smoke:
+    # A TPU core runs tiles one after another: the tile height is its
+    # first design question (the GPU's comes with the design variants).
+    yield "block_rows sweep (TPU)", lambda: [dict(r, item="block_rows")
+                                             for r in tiles.tpu_sweep(args.repeats)]
   # Which design wins: hoisting and schedules against the baselines.
   design_batches, design_d, design_t = ((64, 128), 16, 8) if args.smoke else ((4096, 32768), 128, 64)
   design_repeats = 1 if args.smoke else args.repeats
@@ -260,11 +277,19 @@ def _items(args) -> Iterator[tuple[str, Callable[[], list[dict]]]]:
   for case in first:
     yield f"time {case.label}", timing(case)
   grad_cases = grad_modes.scaled_cases(*((16, 16) if args.smoke else (4096, 128)))
-  yield "gradient modes", lambda: [dict(r, item="grad_modes") for r in grad_modes.run_all(
-      ["xla", "pallas"], repeats, cases=grad_cases)]
-  yield "block_rows sweep", lambda: [dict(r, item="block_rows") for r in (
-      tiles.sweep(64, 16, jnp.bfloat16, (8, 16), 1) if args.smoke else
-      tiles.gpu_sweep(repeats))]
+
+  def gradient_modes():
+    # float32 cases checked to 1e-4: at "highest" precision (DEFAULT is one
+    # bf16 pass on a TPU, TF32 on a GPU), for the kernels and the scan alike.
+    with jax.default_matmul_precision("highest"):
+      rows = grad_modes.run_all(["xla", "pallas"], repeats, cases=grad_cases)
+    return [dict(r, item="grad_modes", matmul_precision="highest") for r in rows]
+
+  yield "gradient modes", gradient_modes
+  if jax.default_backend() != "tpu" or args.smoke:
+    yield "block_rows sweep", lambda: [dict(r, item="block_rows") for r in (
+        tiles.sweep(64, 16, jnp.bfloat16, (8, 16), 1) if args.smoke else
+        tiles.gpu_sweep(repeats))]
   for case in later:
     yield f"time {case.label}", timing(case)
 

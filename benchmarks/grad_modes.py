@@ -89,7 +89,7 @@ def run_case(case: GradCase, impls, repeats: int):
     mem = f.lower(*args).compile().memory_analysis().temp_size_in_bytes
     t = harness.median_seconds(f, *args, repeats=repeats)
     rows.append(dict(case=case.name, impl=impl, time_s=t, speedup_vs_scan_grad=ref_time / t,
-                     temp_bytes=mem, memory_vs_scan_grad=mem / ref_mem,
+                     temp_bytes=mem, memory_vs_scan_grad=mem / ref_mem if ref_mem else None,
                      rel_diff_vs_ref=err, checked=exact, ok=(not exact) or err < 1e-4))
   return rows
 
@@ -101,7 +101,8 @@ def print_table(rows):
     diff = f"{r['rel_diff_vs_ref']:.1e}" + ("" if r["checked"] else "*")
     print(f"{r['case']:<58} {r['impl']:<7} {r['time_s'] * 1e3:>7.1f}ms "
           f"{r['speedup_vs_scan_grad']:>7.2f}x {r['temp_bytes'] / 2**20:>9.2f} "
-          f"{r['memory_vs_scan_grad']:>7.2f}x {diff:>9}")
+          + (f"{r['memory_vs_scan_grad']:>7.2f}x" if r["memory_vs_scan_grad"] is not None
+             else f"{'n/a':>8s}") + f" {diff:>9}")
   print("vs scan: jit(grad) of the masked-scan reference in the same run (time: "
         "speedup; memory: compiled temporaries ratio). * = approximate mode, "
         "difference reported, not checked.")

@@ -2,6 +2,7 @@
 
     python -m benchmarks.tiles                    # the CPU target cases, interpret mode
     python -m benchmarks.tiles --gpu              # B=4096, D=128, bf16 (gpu_check runs this)
+    python -m benchmarks.tiles --tpu              # B=4096/32768, 128-2048 rows (gpu_check on a TPU)
 
 Runs `pallas_loop.tuning.tune_block_rows` on recurrent-depth and uniform
 counts and prints, per case, the median forward time at each candidate, the
@@ -13,6 +14,7 @@ sorted-tile work efficiency, not how a compiled kernel behaves.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import jax
@@ -21,14 +23,17 @@ import jax.numpy as jnp
 from benchmarks import blocks
 from benchmarks import cases
 from benchmarks import harness
+from pallas_loop import _reference as reference
 from pallas_loop import tuning
 
 
 def sweep(batch: int, d: int, dtype, candidates, repeats: int,
-          distributions=("recurrent_depth",)) -> list[dict]:
-  """One row per (block, distribution): seconds per block_rows, best, default."""
+          distributions=("recurrent_depth",), blocks_=("tanh_rnn", "residual_mlp"),
+          with_scan: bool = False) -> list[dict]:
+  """One row per (block, distribution): seconds per block_rows, best, default
+  (and, `with_scan`, the masked scan's seconds on the same inputs)."""
   out = []
-  for block in ("tanh_rnn", "residual_mlp"):
+  for block in blocks_:
     step, params, h0, x = blocks.make(block, batch, d, dtype, jax.random.key(5))
     for counts in distributions:
       t_max = cases.DEFAULT_MAX_ITERS[counts]
@@ -36,12 +41,19 @@ def sweep(batch: int, d: int, dtype, candidates, repeats: int,
       r = tuning.tune_block_rows(step, params, h0, x, iters=n, max_iters=t_max,
                                  candidates=candidates, repeats=repeats)
       default = harness.pallas_block_rows(batch)
+      scan = None
+      if with_scan:
+        scan = harness.median_seconds(jax.jit(functools.partial(
+            reference.iterate, step, iters=n, max_iters=t_max)), params, h0, x,
+            repeats=repeats)
       times = "  ".join(f"{k}: {v * 1e3:.3f} ms" for k, v in sorted(r.seconds.items()))
       print(f"block_rows {block} B={batch} D={d} {jnp.dtype(dtype).name} {counts}: {times}; "
             f"best {r.best}, default {default}"
-            + (f"; rejected {sorted(r.rejected)}" if r.rejected else ""))
+            + (f"; masked scan {scan * 1e3:.3f} ms" if scan is not None else "")
+            + (f"; rejected {sorted(r.rejected)}" if r.rejected else ""), flush=True)
       out.append(dict(block=block, batch=batch, d=d, counts=counts, seconds=r.seconds,
-                      best=r.best, default=default, rejected=r.rejected))
+                      best=r.best, default=default, rejected=r.rejected,
+                      masked_scan_seconds=scan))
   return out
 
 
@@ -50,14 +62,31 @@ def gpu_sweep(repeats: int) -> list[dict]:
   return sweep(4096, 128, jnp.bfloat16, (16, 32, 64), repeats)
 
 
+def tpu_sweep(repeats: int, batches=(4096, 32768)) -> list[dict]:
+  """The TPU sweep: D=128, bf16, block_rows 128 to 2048, three count
+  distributions, beside the masked scan. A TPU core runs the grid's tiles
+  one after another, so a tile's step is a chain of dependent matrix-unit
+  and vector work whose latency a taller tile amortises."""
+  out = []
+  for batch in batches:
+    out += sweep(batch, 128, jnp.bfloat16, (128, 256, 512, 1024, 2048), repeats,
+                 distributions=("constant", "uniform", "recurrent_depth"),
+                 blocks_=("tanh_rnn", "gru", "residual_mlp"), with_scan=True)
+  return out
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--gpu", action="store_true", help="B=4096, D=128, bf16, 16/32/64 rows")
+  parser.add_argument("--tpu", action="store_true",
+                      help="B=4096 and 32768, D=128, bf16, 128 to 2048 rows, with the masked scan")
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args(argv)
   print(f"JAX {jax.__version__}, {jax.devices()[0].device_kind}")
   if args.gpu:
     gpu_sweep(args.repeats)
+  elif args.tpu:
+    tpu_sweep(args.repeats)
   else:
     sweep(1024, 64, jnp.float32, (8, 16, 32, 64), args.repeats,
           distributions=("uniform", "recurrent_depth"))

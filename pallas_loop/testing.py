@@ -328,18 +328,24 @@ def check_against_reference(
   compare_grads = grads and reference_grad is not None
   halting = options.get("tol") is not None or options.get("halt") is not None
 
+  def with_info(result: tuple) -> tuple[Any, Any]:
+    # (h, info), or (h, ys, info) with per-step outputs: ((h, ys), info).
+    *out, info = result
+    return (out[0] if len(out) == 1 else tuple(out)), info
+
   def impl(p: Any, h: Any, x_: Any) -> Any:
-    return iterate_lib.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
-                       return_info=True, **options)
+    return with_info(iterate_lib.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
+                                         return_info=True, **options))
 
   def ref(p: Any, h: Any, x_: Any) -> Any:
-    return reference.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
-                             return_info=True, **shared)
+    return with_info(reference.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
+                                       return_info=True, **shared))
 
   def run(fn: Callable[..., Any]) -> tuple[Any, Any, Any]:
     def with_grads(p: Any, h: Any, x_: Any) -> tuple[Any, Any, Any]:
       out, vjp, info = jax.vjp(fn, p, h, x_, has_aux=True)
-      return out, info, vjp(_cotangent(h, seed))
+      # Shaped like the output: the state, or (state, per-step outputs).
+      return out, info, vjp(_cotangent(out, seed))
     if compare_grads:
       return jax.jit(with_grads)(params, h0, x)
     out, info = jax.jit(fn)(params, h0, x)

@@ -73,6 +73,8 @@ class Backend:
       the table cannot be read in this JAX version (no pre-check then).
     extra_problems: specialized jaxpr -> further messages (e.g. dot sizes).
     interpret: the `interpret=` value for `pallas_call`.
+    smallest_default_rows: the default tile height is halved, down to this,
+      while no configuration fits (a tile the caller chose is never changed).
   """
 
   name: str
@@ -83,6 +85,7 @@ class Backend:
   lowering_rules: Callable[[], Any] = lambda: None
   extra_problems: Callable[[Any], list[str]] = lambda jaxpr: []
   interpret: Any = False
+  smallest_default_rows: int = 16
 
 
 def iter_eqns(jaxpr: jex_core.Jaxpr) -> Iterator[jex_core.JaxprEqn]:

@@ -249,17 +249,27 @@ def shared_loader(refs, shapes, on_chip: bool, sliced: frozenset[int] = frozense
 
 def configured(backend, batch: int, block_rows, plan_at):
   """Plans at the default (or given) tile height, then at the height the
-  backend's configuration rule asks for, if it asks for another.
+  backend's configuration rule asks for, if it asks for another. A default
+  height at which no configuration fits (the TPU's tall default tiles, with
+  a wide state, in VMEM) is halved down to `Backend.smallest_default_rows`
+  until one does; a height the caller chose is kept, and its plan says why
+  it does not fit.
 
   Args:
     backend: the backend.
     batch: B.
     block_rows: the caller's tile height, or None.
-    plan_at: plan_at(tb) -> a plan with `.config` and `.block_rows`.
+    plan_at: plan_at(tb) -> a plan with `.config`, `.footprint` and
+      `.block_rows`.
   """
   tb = block_rows or backend.default_block_rows(batch)
   p = plan_at(tb)
-  if block_rows is None and p.config is not None and p.config.block_rows != tb:
+  if block_rows is not None:
+    return p
+  while p.config is None and p.footprint is not None and tb // 2 >= backend.smallest_default_rows:
+    tb //= 2
+    p = plan_at(tb)
+  if p.config is not None and p.config.block_rows != tb:
     p = plan_at(p.config.block_rows)
   return p
 

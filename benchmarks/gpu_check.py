@@ -301,6 +301,9 @@ def main(argv=None) -> int:
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--budget", type=float, default=420.0,
                       help="seconds; no new item starts after this")
+  parser.add_argument("--skip", action="append", default=[], metavar="PREFIX",
+                      help="leave out the items whose name starts with this (repeatable), "
+                           "e.g. a rerun's already measured sweep")
   args = parser.parse_args(argv)
 
   start = time.time()
@@ -319,6 +322,9 @@ def main(argv=None) -> int:
   write(header)
   bad, timing_rows, design_rows = [], [], []
   for name, run in _items(args):
+    if any(name.startswith(prefix) for prefix in args.skip):
+      write({"item": "skipped", "name": name, "reason": "--skip"})
+      continue
     elapsed = time.time() - start
     if elapsed > args.budget:
       write({"item": "skipped", "name": name, "reason": f"budget spent ({elapsed:.0f} s)"})

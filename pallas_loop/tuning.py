@@ -37,16 +37,25 @@ class TuneResult(NamedTuple):
   rejected: dict[int, str]
 
 
-def default_candidates(batch: int) -> tuple[int, ...]:
-  """Powers of two from 8 up to min(256, the batch rounded up to one).
+def default_candidates(batch: int, platform: str | None = None) -> tuple[int, ...]:
+  """Powers of two up to the batch rounded up to one: from 8 to 256, or on a
+  TPU from 128 to 2048 (a TPU core runs tiles one after another, and tiles
+  under 128 rows were 1.2-2.4x slower than the fastest on a v5e; RESULTS.md).
+
+  Args:
+    batch: B.
+    platform: "tpu", "gpu", "cpu", ...; None: this machine's default backend
+      (the one `tune_block_rows` times on).
 
   Examples:
     >>> from pallas_loop.tuning import default_candidates
-    >>> default_candidates(100)
-    (8, 16, 32, 64, 128)
+    >>> default_candidates(100, "cpu"), default_candidates(5000, "tpu")
+    ((8, 16, 32, 64, 128), (128, 256, 512, 1024, 2048))
   """
-  top = min(256, max(8, backend_lib.next_power_of_2(batch)))
-  return tuple(1 << k for k in range(3, top.bit_length()))
+  platform = platform or jax.default_backend()
+  low, high = (128, 2048) if platform == "tpu" else (8, 256)
+  top = min(high, max(low, backend_lib.next_power_of_2(batch)))
+  return tuple(1 << k for k in range(low.bit_length() - 1, top.bit_length()))
 
 
 def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int = 5,

@@ -91,12 +91,12 @@ def test_held_weight_used_only_widened_is_counted_widened():
 # --- the Triton rule ------------------------------------------------------------
 
 def _plans(block, d, dtype, *, grad, implementation=None, batch=4096, platform="cuda",
-           hoist=True):
+           hoist=True, block_rows=None):
   """The plans the rules make for a block, traced by exporting for `platform`."""
   step, params, h0, x = blocks.make(block, batch, d, jnp.dtype(dtype))
   n = jnp.arange(batch, dtype=jnp.int32) % (MAX_ITERS + 1)
   run = functools.partial(pallas_loop.iterate, step, max_iters=MAX_ITERS,
-                          implementation=implementation, hoist=hoist)
+                          implementation=implementation, hoist=hoist, block_rows=block_rows)
   if implementation == "pallas":
     run = functools.partial(run, interpret=False)
   forward = lambda p, h, x_, n_: run(p, h, x_, iters=n_)
@@ -304,11 +304,37 @@ def test_vmem_padding():
   assert backend_mosaic_tpu.vmem("TPU v9") == (16 << 20, 16 << 20)
 
 
+def test_mosaic_default_tiles():
+  """At least 4 tiles of 128 to 1024 rows (measured on a v5e); a small batch
+  is one tile of its rows rounded up to 16."""
+  rows = backend_mosaic_tpu.MOSAIC_TPU.default_block_rows
+  assert [rows(b) for b in (100, 512, 1024, 4096, 32768)] == [112, 128, 256, 1024, 1024]
+
+
+def test_mosaic_halves_a_default_tile_too_tall_for_vmem():
+  """A default tile needing over twice the default scoped VMEM is halved
+  (the transformer at D=64: 1024 rows need ~99 MB); a tile the caller chose
+  is kept, with the limit raised."""
+  default_limit = backend_mosaic_tpu.vmem("TPU v5 lite")[0]
+  plans, _, _ = _plans("transformer", 64, "bfloat16", grad=True, platform="tpu")
+  for p in plans.values():
+    assert p.config is not None
+    assert 128 <= p.config.block_rows < 1024
+    assert p.config.estimate["vmem_bytes"] <= 2 * default_limit
+  plans, _, _ = _plans("transformer", 64, "bfloat16", grad=False, platform="tpu",
+                       block_rows=1024)
+  assert plans["forward"].config.block_rows == 1024
+  assert plans["forward"].config.compiler_params.vmem_limit_bytes > 2 * default_limit
+  # The D=128 blocks the v5e timed keep their 1024-row tiles.
+  plans, _, _ = _plans("gru", 128, "bfloat16", grad=True, platform="tpu")
+  assert {p.config.block_rows for p in plans.values()} == {1024}
+
+
 def test_mosaic_raises_the_vmem_limit_where_the_blocks_need_it():
-  plans, _, _ = _plans("tanh_rnn", 128, "bfloat16", grad=True, platform="tpu")
+  plans, _, _ = _plans("tanh_rnn", 128, "bfloat16", grad=True, platform="tpu", block_rows=128)
   for p in plans.values():
     assert p.config.compiler_params.vmem_limit_bytes is None
-  plans, _, _ = _plans("gru", 512, "bfloat16", grad=True, platform="tpu")
+  plans, _, _ = _plans("gru", 512, "bfloat16", grad=True, platform="tpu", block_rows=128)
   bwd = plans["backward"].config
   assert bwd.estimate["vmem_bytes"] > 16 << 20
   assert bwd.compiler_params.vmem_limit_bytes == bwd.estimate["vmem_limit_bytes"]

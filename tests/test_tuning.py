@@ -41,6 +41,9 @@ def test_default_candidates():
   assert tuning.default_candidates(1) == (8,)
   assert tuning.default_candidates(100) == (8, 16, 32, 64, 128)
   assert tuning.default_candidates(10_000) == (8, 16, 32, 64, 128, 256)
+  assert tuning.default_candidates(10_000, "gpu") == (8, 16, 32, 64, 128, 256)
+  assert tuning.default_candidates(100, "tpu") == (128,)
+  assert tuning.default_candidates(10_000, "tpu") == (128, 256, 512, 1024, 2048)
   assert backend_mosaic_tpu.MOSAIC_TPU.default_block_rows(1024) % 8 == 0
 
 

@@ -81,6 +81,11 @@ _FIXED_SCRATCH = 1 * MIB
 _ROW_TEMPORARIES = 8
 
 
+# The smallest default tile height (`_default_block_rows`): also legal for a
+# 1-D operand, whose rows are the lane axis.
+SMALLEST_TILE = 128
+
+
 def vmem(device_kind: str | None) -> tuple[int, int]:
   """(default scoped VMEM limit, physical VMEM) in bytes for a device kind."""
   for names, spec in _TPUS:
@@ -116,17 +121,28 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool
               ) -> tuple[backend_lib.KernelConfig | None, list[str]]:
   """The Mosaic kernel's configuration for a footprint, or why none fits.
 
-  The rule: a program whose VMEM estimate (`vmem_estimate`), doubled, is
-  within the TPU's default scoped limit runs as is; else the kernel asks for
+  The rule: a default-height tile taller than `SMALLEST_TILE` must need at
+  most twice the default scoped limit (else no configuration, and
+  `kernel_forward.configured` halves it); a program whose VMEM estimate (`vmem_estimate`),
+  doubled, is within the TPU's default scoped limit runs as is; else the kernel asks for
   twice its estimate as its `vmem_limit_bytes`, at most 7/8 of the physical
   VMEM (the rest stays XLA's); an estimate beyond that means no
   configuration fits (the XLA implementation runs it, a smaller `block_rows`
   may fit).
   """
-  del block_rows_given
   default, physical = vmem(backend_lib.device_kind("tpu"))
   cap = physical * 7 // 8 if physical > default else default
   need = vmem_estimate(fp)
+  if not block_rows_given and fp.block_rows > SMALLEST_TILE and need > 2 * default:
+    # The tall default tiles were measured on a v5e with estimates up to
+    # ~30 MB (the D=128 blocks' forward and backward kernels at 1024 rows).
+    # Beyond twice the default scoped limit (a wide or many-leaf state, a
+    # transformer's tokens) nothing was measured, and Mosaic's compile time
+    # grew (a transformer block at D=64, deviceless: 9 s at 128 rows, 59 s
+    # at 1024): `configured` halves the default height while it needs more,
+    # down to SMALLEST_TILE, where the rule below applies as before.
+    return None, [f"the default tile of {fp.block_rows} rows needs about {need:,} B of "
+                  f"VMEM, over twice the TPU's default scoped limit ({default:,} B)"]
   if need > cap:
     return None, [
         f"no kernel configuration fits the TPU's VMEM: a program needs about {need:,} B "
@@ -178,19 +194,18 @@ def _random_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
   return []
 
 
-# Measured on a TPU v5e (JAX 0.10.2; RESULTS.md, "TPU v5e"): a TPU core runs
-# the grid's tiles one after another, and a tile's step is a chain of
-# dependent matrix-unit and vector work whose latency a taller tile
-# amortises. Fitted on the tanh RNN at D=128 bf16 (every row 64 steps), a
-# tile-step costs about 0.27 us + 3.8 ns a row: the fixed part is worth ~72
-# rows, so 128-row tiles spent a third of their time on it. Taller tiles cost
-# early exit (a tile runs to its slowest row): over 128 to 2048 rows at
-# B=4096 and 32768 (tanh RNN, GRU, residual MLP; constant, uniform and
-# recurrent-depth counts) 1024 rows, or B/4 when smaller, was within 11% of
-# the fastest height in every case (128 rows: 1.2-2.2x slower than the
-# fastest), so at least 4 tiles, 128 to 1024 rows.
+# Measured on a TPU v5e (JAX 0.10.2; RESULTS.md, "TPU v5e: the kernels
+# run"): a TPU core runs the grid's tiles one after another, and a tile's
+# step is a chain of dependent matrix-unit and vector work whose latency a
+# taller tile amortises. Fitted on the tanh RNN at D=128 bf16 (B=32768, every
+# row 64 steps), a tile-step costs about 0.30 us + 1.4 ns a row: a 128-row
+# tile spent over half its time on the fixed part. Taller tiles cost early
+# exit (a tile runs to its slowest row): over 128 to 2048 rows at B=4096 and
+# 32768 (tanh RNN, GRU, residual MLP; constant, uniform and recurrent-depth
+# counts) 1024 rows was within 7% of the fastest height in every case (128
+# rows: 1.2-2.4x slower than the fastest), so at least 4 tiles, 128 to 1024
+# rows.
 TILES = 4
-SMALLEST_TILE = 128  # the old default; also legal for 1-D operands' lane axis
 
 
 def _default_block_rows(batch: int) -> int:

@@ -10,6 +10,7 @@ import pytest
 
 import pallas_loop
 from benchmarks import cases
+from benchmarks import feature_check
 from benchmarks import gpu_check
 from benchmarks import harness
 from benchmarks import run
@@ -109,6 +110,11 @@ def test_gpu_check_smoke_mode_runs_anywhere(tmp_path):
   assert {(c["block"], c["implementation"]) for c in checks} == {
       (b, i) for b in ("tanh_rnn", "gru") for i in (None, "pallas")}
   assert all(c["ok"] and c["forward_compile_s"] > 0 for c in checks)
+  features = by_item("feature")
+  assert [f["feature"] for f in features] == [f.name for f in feature_check.FEATURES]
+  assert all(f["ok"] for f in features), [f for f in features if not f["ok"]]
+  assert all(f["grads_compared"] for f in features
+             if not any(w in f["feature"] for w in ("implicit", "phantom")))
   rows = sum(len(harness._applicable(c)) for c in cases.smoke_suite())  # pylint: disable=protected-access
   assert len(by_item("timing")) == rows
   assert {r["impl"] for r in by_item("grad_modes")} == {"xla", "pallas"}
@@ -124,6 +130,17 @@ def test_gpu_check_stops_starting_items_when_the_budget_is_spent(tmp_path):
   assert gpu_check.main(["--smoke", "--budget", "0", "--out", str(path)]) == 0
   lines = [json.loads(l) for l in path.read_text().splitlines()]
   assert {l["item"] for l in lines} == {"machine", "skipped", "done"}
+
+
+def test_gpu_check_skips_items_by_prefix(tmp_path):
+  path = tmp_path / "r.jsonl"
+  assert gpu_check.main(["--smoke", "--budget", "0", "--skip", "feature", "--skip", "check",
+                         "--out", str(path)]) == 0
+  lines = [json.loads(l) for l in path.read_text().splitlines()]
+  by_reason = {l["name"]: l["reason"] for l in lines if l["item"] == "skipped"}
+  assert all(r == "--skip" for n, r in by_reason.items() if n.startswith(("feature", "check")))
+  assert any(n.startswith("feature") for n in by_reason)
+  assert all("budget" in r for n, r in by_reason.items() if n.startswith("design"))
 
 
 

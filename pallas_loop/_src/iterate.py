@@ -109,8 +109,9 @@ def iterate(
       compiled backend exists (CPU). A `pltpu.InterpretParams()` interprets
       with TPU semantics.
     block_rows: rows per kernel tile (default chosen per backend: at least
-      256 tiles of 16 to 64 rows with Triton, up to 128 rows on TPU, 32 in
-      interpret mode; `pallas_loop.tuning` times the candidates).
+      256 tiles of 16 to 64 rows with Triton, at least 4 tiles of 128 to
+      1024 rows on TPU, 32 in interpret mode; `pallas_loop.tuning` times the
+      candidates).
     sort_rows: order rows by descending count before tiling so each tile's
       rows finish together (results do not depend on it).
     schedule: how GPU kernel programs take their tiles: None (the backend's

@@ -225,6 +225,7 @@ def _split_dot(eqn: jex_core.JaxprEqn, env: dict[Any, Any],
   chunk = k // parts
   dims = (((1,), (axis,)), ((), ()))
   preferred = eqn.params.get("preferred_element_type")
+  precision = eqn.params.get("precision")
 
   def run(x: jax.Array) -> jax.Array:
     total = None
@@ -233,7 +234,8 @@ def _split_dot(eqn: jex_core.JaxprEqn, env: dict[Any, Any],
       w_chunk = w.ref[rows, :] if axis == 0 else w.ref[:, rows]
       a, b = _matched([piece, w_chunk])
       with eqn.ctx.manager:
-        part = jax.lax.dot_general(a, b, dims, preferred_element_type=preferred)
+        part = jax.lax.dot_general(a, b, dims, precision=narrow_dot_precision(precision, (a, b)),
+                                   preferred_element_type=preferred)
       total = part if total is None else total + part
     assert total is not None  # parts >= 2
     return total
@@ -271,6 +273,9 @@ def _merged_dot(eqn: jex_core.JaxprEqn, lhs: jax.Array, rhs: jax.Array) -> jax.A
 
 def narrow_dot_precision(precision: Any, operands: Sequence[Any]) -> Any:
   """A dot's precision, DEFAULT where both operands are narrow floats.
+
+  Every dot the kernels emit (as traced, merged, swapped or split) takes its
+  precision from here.
 
   Under `jax.default_matmul_precision("highest")` (or an explicit
   `precision=`), a traced dot carries HIGHEST whatever its operands' dtype.
@@ -400,7 +405,7 @@ def _fenced(eqn: jex_core.JaxprEqn, invals: list[Any], computed: list[bool],
 def _swapped_dot(eqn: jex_core.JaxprEqn, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   """transpose(dot_general(lhs, rhs)) for a 2-D dot without batch axes."""
   (lc, rc), _ = eqn.params["dimension_numbers"]
-  precision = eqn.params.get("precision")
+  precision = narrow_dot_precision(eqn.params.get("precision"), (lhs, rhs))
   if isinstance(precision, tuple):
     precision = precision[::-1]
   with eqn.ctx.manager:

@@ -29,7 +29,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import pallas_loop
 from benchmarks import blocks
@@ -132,10 +131,6 @@ def run(feature: Feature, batch: int, d: int, max_iters: int) -> dict:
                 where=traceback.format_exc(limit=3)[-1500:])
   line["seconds"] = time.perf_counter() - start
   return line
-
-
-def run_all(smoke: bool) -> list[dict]:
-  return [run(f, *sizes(smoke)) for f in FEATURES]
 
 
 def main(argv=None) -> int:

@@ -242,10 +242,12 @@ def _items(args) -> Iterator[tuple[str, Callable[[], list[dict]]]]:
       yield (f"check {block} implementation={impl}",
              lambda block=block, impl=impl: [check_block(block, batch, d, max_iters, impl)])
   # Every feature that changes what the kernels do, against the oracle.
+  feature_sizes = feature_check.sizes(args.smoke)
   for feature in feature_check.FEATURES:
     yield (f"feature {feature.name}",
-           lambda feature=feature: [feature_check.run(feature, *feature_check.sizes(args.smoke))])
-  if jax.default_backend() == "tpu" and not args.smoke:
+           lambda feature=feature: [feature_check.run(feature, *feature_sizes)])
+  tpu_sweep = jax.default_backend() == "tpu" and not args.smoke
+  if tpu_sweep:
     # A TPU core runs tiles one after another: the tile height is its
     # first design question (the GPU's comes with the design variants).
     yield "block_rows sweep (TPU)", lambda: [dict(r, item="block_rows")
@@ -286,7 +288,7 @@ def _items(args) -> Iterator[tuple[str, Callable[[], list[dict]]]]:
     return [dict(r, item="grad_modes", matmul_precision="highest") for r in rows]
 
   yield "gradient modes", gradient_modes
-  if jax.default_backend() != "tpu" or args.smoke:
+  if not tpu_sweep:  # the TPU's ran after the correctness checks
     yield "block_rows sweep", lambda: [dict(r, item="block_rows") for r in (
         tiles.sweep(64, 16, jnp.bfloat16, (8, 16), 1) if args.smoke else
         tiles.gpu_sweep(repeats))]

@@ -18,6 +18,7 @@ import jax
 
 from pallas_loop._src import iterate as iterate_lib
 from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import backend_mosaic_tpu
 from pallas_loop._src import validation
 
 
@@ -53,7 +54,7 @@ def default_candidates(batch: int, platform: str | None = None) -> tuple[int, ..
     ((8, 16, 32, 64, 128), (128, 256, 512, 1024, 2048))
   """
   platform = platform or jax.default_backend()
-  low, high = (128, 2048) if platform == "tpu" else (8, 256)
+  low, high = (backend_mosaic_tpu.SMALLEST_TILE, 2048) if platform == "tpu" else (8, 256)
   top = min(high, max(low, backend_lib.next_power_of_2(batch)))
   return tuple(1 << k for k in range(low.bit_length() - 1, top.bit_length()))
 

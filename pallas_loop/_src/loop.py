@@ -148,17 +148,19 @@ def run_loop(body: Callable[..., Any], params: Any, h: Any, x: Any, counts: jax.
   def running_rows(t: jax.Array, s: LoopState) -> jax.Array:
     return (t < counts) & (s.halted == 0)
 
-  def any_running(carry: tuple[jax.Array, LoopState]) -> jax.Array:
-    t, s = carry
-    return jnp.max(running_rows(t, s).astype(jnp.int32)) > 0
-
   if halting is None:
     # Without halting the tile's trips are its largest count, known before
     # the loop: the condition compares two scalars instead of reducing a
     # [R, 1] mask on every trip (on a TPU a vector-to-scalar reduction per
     # trip, which stalls the step's pipeline; on a GPU a barrier).
     trips = jnp.max(counts)
-    any_running = lambda carry: carry[0] < trips  # noqa: E731
+
+    def any_running(carry: tuple[jax.Array, LoopState]) -> jax.Array:
+      return carry[0] < trips
+  else:
+    def any_running(carry: tuple[jax.Array, LoopState]) -> jax.Array:
+      t, s = carry
+      return jnp.max(running_rows(t, s).astype(jnp.int32)) > 0
 
   def step(carry: tuple[jax.Array, LoopState]) -> tuple[jax.Array, LoopState]:
     t, s = carry

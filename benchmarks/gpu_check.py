@@ -99,11 +99,13 @@ def check_block(block: str, batch: int, d: int, max_iters: int, implementation) 
     out[f"{what}_max_error"] = harness.max_error(got, want)
     out[f"{what}_finite"] = bool(all(np.isfinite(np.asarray(a, np.float32)).all()
                                      for a in jax.tree.leaves(got)))
-  # Errors are scaled by each leaf's magnitude (`harness.max_error`): the
-  # parameter gradients are sums over thousands of bf16 rows.
+  # Errors are scaled by each leaf's magnitude (`harness.max_error`), so the
+  # parameter gradients (sums over thousands of bf16 rows) are held to the
+  # forward's tolerance: the 100x an absolute error once needed would now
+  # pass any finite gradient.
   tol = harness.tolerance("bfloat16", max_iters)
   out["ok"] = (out["forward_finite"] and out["grad_finite"]
-               and out["forward_max_error"] <= tol and out["grad_max_error"] <= 100 * tol)
+               and out["forward_max_error"] <= tol and out["grad_max_error"] <= tol)
   return out
 
 
@@ -196,7 +198,7 @@ def design_variants(block: str, batch: int, d: int, max_iters: int, repeats: int
       start = time.perf_counter()
       jax.block_until_ready(fn(params, h0, x))
       times[n].append(time.perf_counter() - start)
-  tol = harness.tolerance(base["dtype"], max_iters) * (100 if grad else 1)
+  tol = harness.tolerance(base["dtype"], max_iters)  # errors scaled: gradients too
   want = lines[0].get("out")
   seconds = {n: statistics.median(t) for n, t in times.items()}
   for line in lines:

@@ -8,7 +8,10 @@ For each mode, `jax.jit(jax.grad(loss))` of `pallas_loop.iterate` against
 step for autodiff), in one run: median time ratio and the compiled temporary
 memory (`memory_analysis().temp_size_in_bytes`) ratio. The modes that are
 exact (`Full`, `Truncated` vs the reference's own truncation) are checked
-against the reference; a mismatch exits non-zero. `Phantom` and `Implicit`
+against the reference; a mismatch exits non-zero. With `tol` halting, a row
+within rounding of the tolerance may halt a step apart in two implementations:
+such cases are checked against the reference run for the implementation's own
+halting steps, and the steps may differ by one on at most 1% of the rows. `Phantom` and `Implicit`
 are approximations by design: their gradients are reported, not checked, here
 (tests/test_grad_modes.py checks them against their own oracles).
 """
@@ -76,11 +79,12 @@ def run_case(case: GradCase, impls, repeats: int):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
   def steps_of(run, **extra):
-    # With halting, a row whose rms lands within rounding of `tol` may stop a
-    # step apart in two implementations, and its gradient then differs by a
-    # step's worth: reported beside the difference, to tell that from a bug.
     return np.asarray(jax.jit(lambda p, h, x_: run(step, p, h, x_, return_info=True, **kw,
                                                    **extra)[1].steps)(params, h0, x))
+
+  def error(got, want):
+    return max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(b))))
+               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
   ref = grad_fn(reference.iterate, **ref_kw)
   args = (params, h0, x)
@@ -92,16 +96,31 @@ def run_case(case: GradCase, impls, repeats: int):
   for impl in impls:
     f = grad_fn(pallas_loop.iterate, grad=case.mode, implementation=impl)
     got = f(*args)
-    err = max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(b))))
-              for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    err = error(got, want)
     mem = f.lower(*args).compile().memory_analysis().temp_size_in_bytes
     t = harness.median_seconds(f, *args, repeats=repeats)
-    other_steps = (None if ref_steps is None else int(np.sum(
-        steps_of(pallas_loop.iterate, implementation=impl) != ref_steps)))
+    ok = (not exact) or err < 1e-4
+    halting = {}
+    if ref_steps is not None:
+      # A row whose rms lands within rounding of `tol` may halt a step apart
+      # in two implementations, and every gradient summed over rows then
+      # differs by that row's step. Halting keeps the step that met `tol`, so
+      # the oracle run for exactly the implementation's own steps (no `tol`)
+      # is the exact check; the steps themselves may differ by at most one,
+      # on at most 1% of the rows.
+      got_steps = steps_of(pallas_loop.iterate, implementation=impl)
+      loss_at = lambda p, h, x_: jnp.sum(cot * reference.iterate(
+          step, p, h, x_, iters=jnp.asarray(got_steps), max_iters=case.max_iters, **ref_kw))
+      err_at_steps = error(got, jax.jit(jax.grad(loss_at, argnums=(0, 1, 2)))(*args))
+      elsewhere = int(np.sum(got_steps != ref_steps))
+      step_gap = int(np.max(np.abs(got_steps - ref_steps)))
+      halting = dict(rows_halting_elsewhere=elsewhere, max_step_gap=step_gap,
+                     rel_diff_vs_ref_at_own_steps=err_at_steps)
+      ok = (not exact) or (err_at_steps < 1e-4 and step_gap <= 1
+                           and elsewhere <= case.batch // 100)
     rows.append(dict(case=case.name, impl=impl, time_s=t, speedup_vs_scan_grad=ref_time / t,
                      temp_bytes=mem, memory_vs_scan_grad=mem / ref_mem if ref_mem else None,
-                     rel_diff_vs_ref=err, rows_halting_elsewhere=other_steps, checked=exact,
-                     ok=(not exact) or err < 1e-4))
+                     rel_diff_vs_ref=err, checked=exact, ok=ok, **halting))
   return rows
 
 
@@ -111,7 +130,9 @@ def print_table(rows):
   for r in rows:
     diff = f"{r['rel_diff_vs_ref']:.1e}" + ("" if r["checked"] else "*")
     if r.get("rows_halting_elsewhere"):
-      diff += f" ({r['rows_halting_elsewhere']} rows halt at another step)"
+      diff += (f" ({r['rows_halting_elsewhere']} rows halt up to {r['max_step_gap']} step"
+               f" apart; {r['rel_diff_vs_ref_at_own_steps']:.1e} against the oracle"
+               " at this implementation's steps)")
     print(f"{r['case']:<58} {r['impl']:<7} {r['time_s'] * 1e3:>7.1f}ms "
           f"{r['speedup_vs_scan_grad']:>7.2f}x {r['temp_bytes'] / 2**20:>9.2f} "
           + (f"{r['memory_vs_scan_grad']:>7.2f}x" if r["memory_vs_scan_grad"] is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,6 +15,7 @@ from benchmarks import feature_check
 from benchmarks import gpu_check
 from benchmarks import harness
 from benchmarks import run
+from pallas_loop import _reference as reference
 
 
 def test_every_implementation_agrees_on_a_tiny_case():
@@ -151,6 +153,31 @@ def test_gradient_mode_benchmark_agrees_on_a_tiny_case():
   assert [r["impl"] for r in rows] == ["xla", "pallas"]
   assert all(r["ok"] and r["checked"] for r in rows), rows
   assert all(r["temp_bytes"] > 0 for r in rows)
+
+
+def test_gradient_mode_benchmark_checks_halting_at_the_implementations_own_steps():
+  from benchmarks import grad_modes
+  case = grad_modes.GradCase("deq", 16, 16, 32, "full", tol=1e-5, counts="constant")
+  rows = grad_modes.run_case(case, ["xla", "pallas"], repeats=1)
+  for r in rows:
+    assert r["ok"] and r["checked"], r
+    assert r["rows_halting_elsewhere"] == 0 and r["max_step_gap"] == 0
+    assert r["rel_diff_vs_ref_at_own_steps"] < 1e-5
+
+
+def test_halting_keeps_the_step_that_met_tol_so_fixed_counts_reproduce_its_gradient():
+  # What grad_modes' halting check rests on: the oracle with `tol` and the
+  # oracle run for exactly its halting steps (no `tol`) give one gradient.
+  from benchmarks import blocks
+  step, params, h0, x = blocks.make("deq", 16, 16, jnp.float32, jax.random.key(0))
+  kw = dict(max_iters=32)
+  _, info = reference.iterate(step, params, h0, x, tol=1e-4, return_info=True, **kw)
+  assert int(jnp.min(info.steps)) < int(jnp.max(info.steps))  # rows halted apart
+  g_tol = jax.grad(lambda p: jnp.sum(reference.iterate(step, p, h0, x, tol=1e-4, **kw)))(params)
+  g_at = jax.grad(lambda p: jnp.sum(reference.iterate(step, p, h0, x, iters=info.steps,
+                                                      **kw)))(params)
+  for a, b in zip(jax.tree.leaves(g_tol), jax.tree.leaves(g_at)):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_row_cost_probe_runs(capsys):

@@ -20,11 +20,12 @@ did):
    a TPU, next, the tile-height sweep (`tiles.tpu_sweep`: 128 to 2048 rows
    beside the masked scan), the TPU's first design question.
 2. Which design wins (`design_variants`): the fused kernel with and without
-   loop-invariant hoisting (`hoist=True/False`) and under each tile schedule
-   (`schedule="grid"/"persistent"`) against the masked scan and
+   loop-invariant hoisting (`hoist=True/False`), with libdevice's tanh in
+   place of the hardware's (`approx_tanh=False`), and under each tile
+   schedule (`schedule="grid"/"persistent"`) against the masked scan and
    vmap(lax.while_loop), tanh RNN and GRU, D=128 bfloat16, counts uniform in
    [1, 64], B=4096 and B=32768 forward, then B=4096 forward+backward
-   (hoisting only); compile seconds recorded. A keyword this checkout's
+   (hoisting and tanh only); compile seconds recorded. A keyword this checkout's
    `iterate` lacks is a skipped line with the reason.
 3. Timing, D=128 first: pallas vs the masked scan vs vmap(lax.while_loop) vs
    the XLA implementation on `cases.gpu_suite()` (every count distribution;
@@ -118,6 +119,8 @@ DESIGN_VARIANTS: tuple[tuple[str, dict], ...] = (
     ("vmap_while", {}),
     ("pallas hoist=True", {"hoist": True}),
     ("pallas hoist=False", {"hoist": False}),
+    # libdevice's tanh in place of the hardware's (a bf16 state's default)
+    ("pallas approx_tanh=False", {"approx_tanh": False}),
     ("pallas schedule=grid", {"schedule": "grid"}),
     ("pallas schedule=persistent", {"schedule": "persistent"}),
 )

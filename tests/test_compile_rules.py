@@ -212,7 +212,7 @@ def test_mosaic_advice_names_the_axis_block_rows_cannot_fix():
 def re_read_interpret(monkeypatch):
   """The interpret backend configured as the Triton rule configures a large
   step: shared operands re-read at each use, weight dots split in K chunks."""
-  rules = dataclasses.replace(jaxpr_eval.TRITON, split_dot_bytes=1024)
+  rules = dataclasses.replace(jaxpr_eval.TRITON_INTERPRET, split_dot_bytes=1024)
   config = lambda fp, given: (backend_lib.KernelConfig(
       fp.block_rows, shared_on_chip=False, eval_rules=rules), [])
   monkeypatch.setattr(backend_lib, "INTERPRET",

@@ -38,7 +38,13 @@ def _check_forward(impl, dtype, batch, pattern, block="tanh_rnn", d=16, **extra)
   ref_info = reference.iterate(step, params, h0, x, return_info=True, **kw)[1]
   np.testing.assert_array_equal(info.steps, ref_info.steps)
   np.testing.assert_array_equal(info.steps, np.clip(n, 0, cases.MAX_ITERS))
-  np.testing.assert_allclose(info.residual, ref_info.residual, rtol=1e-2, atol=1e-3)
+  # The residual is an rms of the last update: by the triangle inequality
+  # it moves at most by the states' own deviation (both ends of the update),
+  # which in bf16 is an ulp here and there (the GPU's tanh, the dots' order).
+  state_err = float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)),
+                           initial=0.0))
+  np.testing.assert_allclose(info.residual, ref_info.residual, rtol=1e-2,
+                             atol=1e-3 + 2 * state_err)
   assert info.residual.dtype == jnp.float32 and not np.any(info.halted)
 
 

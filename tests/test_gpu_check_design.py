@@ -27,6 +27,7 @@ def test_design_variants_time_check_and_skip_what_iterate_lacks(monkeypatch):
 def test_design_variants_backward_leaves_out_vmap_while_and_schedules(monkeypatch):
   lines = gpu_check.design_variants("gru", 16, 16, 4, repeats=1, grad=True)
   names = [l["variant"] for l in lines]
-  assert names == ["masked_scan", "pallas hoist=True", "pallas hoist=False"]
+  assert names == ["masked_scan", "pallas hoist=True", "pallas hoist=False",
+                   "pallas approx_tanh=False"]
   assert all(l["mode"] == "fwd+bwd" for l in lines)
   assert all(l.get("ok") or l.get("skipped") for l in lines), lines

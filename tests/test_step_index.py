@@ -167,7 +167,7 @@ def test_the_kernel_reads_one_steps_weights_per_step():
   n = jnp.arange(64, dtype=jnp.int32) % (blocks.UNTIED_LAYERS + 1)
   run = lambda p: pallas_loop.iterate(step, p, h0, x, iters=n, max_iters=blocks.UNTIED_LAYERS,
                                       step_index=True, implementation="pallas")
-  oracle.assert_trees_close(run(params), reference.iterate(
+  oracle.assert_trees_close(run(params), *oracle.reference_pair(
       step, params, h0, x, iters=n, max_iters=blocks.UNTIED_LAYERS, step_index=True))
 
   def eqns(jaxpr):

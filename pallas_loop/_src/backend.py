@@ -213,7 +213,8 @@ INTERPRET = Backend(
     block_problems=lambda blocks: [],
     # The step is evaluated as the Triton kernel evaluates it, so that the
     # CPU tests cover those rewrites (Mosaic's interpret mode: plain).
-    configure=lambda fp, given: (KernelConfig(fp.block_rows, eval_rules=jaxpr_eval.TRITON), []),
+    configure=lambda fp, given: (
+        KernelConfig(fp.block_rows, eval_rules=jaxpr_eval.TRITON_INTERPRET), []),
     interpret=True,
 )
 

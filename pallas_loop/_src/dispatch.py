@@ -14,6 +14,7 @@ it is lowered.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import jax
@@ -26,6 +27,7 @@ from jax.interpreters import mlir
 from pallas_loop._src import backend as backend_lib
 from pallas_loop._src import backend_mosaic_tpu
 from pallas_loop._src import backend_triton
+from pallas_loop._src import jaxpr_eval
 from pallas_loop._src import kernel_backward
 from pallas_loop._src import kernel_forward
 from pallas_loop._src import notices
@@ -218,14 +220,24 @@ def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *, residual: bool = 
     return xla_forward.forward(body, ops, residual, outputs)
 
   def plan(backend: backend_lib.Backend, ops: LoopOperands) -> kernel_forward.TilePlan:
-    return kernel_forward.plan(backend, step_fn, ops.params, ops.consts, ops.h0, ops.x,
-                               tiling.block_rows, outputs=outputs)
+    return _with_tanh(kernel_forward.plan(backend, step_fn, ops.params, ops.consts, ops.h0,
+                                          ops.x, tiling.block_rows, outputs=outputs),
+                      ops.h0, tiling)
 
   def run_kernel(p: kernel_forward.TilePlan, ops: LoopOperands) -> LoopOutputs:
     return kernel_forward.run(p, ops, sort_rows=tiling.sort_rows, residual=residual,
                               schedule=tiling.schedule)
 
   return _per_platform("forward", plan, run_kernel, run_xla, tiling)
+
+
+def _with_tanh(p: Any, h: Any, tiling: Tiling) -> Any:
+  """A kernel plan whose step evaluation computes tanh as this call asks
+  (`iterate(approx_tanh=...)`, `jaxpr_eval.for_state`)."""
+  if p.config is None:
+    return p
+  rules = jaxpr_eval.for_state(p.config.eval_rules, h, tiling.approx_tanh)
+  return dataclasses.replace(p, config=dataclasses.replace(p.config, eval_rules=rules))
 
 
 def window_fn(step_fn: step_fn_lib.StepFn,
@@ -241,10 +253,11 @@ def window_fn(step_fn: step_fn_lib.StepFn,
       return xla_backward.backward(step_fn, ops, window=bound, every=every)
 
     def plan(backend: backend_lib.Backend, ops: WindowOperands) -> kernel_backward.WindowPlan:
-      return kernel_backward.plan(
+      return _with_tanh(kernel_backward.plan(
           backend, step_fn, ops.params, ops.consts, ops.h_start, ops.x,
           block_rows=tiling.block_rows, bound=bound, every=every,
-          outputs=None if ops.g_ys is None else step_fn_lib.avals(ops.g_ys))
+          outputs=None if ops.g_ys is None else step_fn_lib.avals(ops.g_ys)),
+                        ops.h_start, tiling)
 
     def run_kernel(p: kernel_backward.WindowPlan, ops: WindowOperands) -> Gradients:
       return kernel_backward.run(p, ops, sort_rows=tiling.sort_rows, schedule=tiling.schedule)

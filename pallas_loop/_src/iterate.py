@@ -52,6 +52,7 @@ def iterate(
     step_index: bool = False,
     step_outputs: bool = False,
     hoist: bool = True,
+    approx_tanh: bool | None = None,
 ) -> Any:
   """Applies `step` to each row of `h0` its own number of times.
 
@@ -146,6 +147,16 @@ def iterate(
       runs as one batched op over all rows before the loop, and is
       differentiated there. Results are unchanged; False recomputes it at
       every step. See the docs' "Performance" page for what is hoisted.
+    approx_tanh: how the GPU (Triton) kernels compute a float32 `tanh`:
+      with the hardware's `tanh.approx.f32` (one instruction; relative
+      error at most 2^-11, below a 16-bit float's rounding) or libdevice's
+      `tanhf` (about 15). None (default): the approximation where every
+      floating leaf of the state is 16-bit (bfloat16, float16), libdevice
+      where any is wider; True/False: always/never. The XLA implementation
+      and the TPU kernels always use their platform's own `tanh`; interpret
+      mode applies the approximation's worst case. The kernels' `logistic`
+      (`jax.nn.sigmoid`) is XLA's GPU formula in either case. See the docs'
+      "Implementations" page, "Transcendentals on a GPU".
 
   The step's extras are keyword arguments, passed only when asked for:
   `step(params, h, x)`, `step(params, h, x, key=k)`,
@@ -168,7 +179,7 @@ def iterate(
     Array([2., 4., 8.], dtype=float32)
   """
   tiling = validation.check_options(step, implementation, interpret, block_rows, sort_rows,
-                                    schedule)
+                                    schedule, approx_tanh)
   mode = grad_modes.as_mode(grad)
   max_iters = validation.check_max_iters(max_iters)
   batch = validation.batch_size(h0, x)

@@ -26,6 +26,8 @@ from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 import numpy as np
 
+from pallas_loop._src import fast_math
+
 _INLINED = ("jit", "pjit", "closed_call", "core_call")
 
 
@@ -33,8 +35,10 @@ _INLINED = ("jit", "pjit", "closed_call", "core_call")
 class Rules:
   """How a kernel evaluates a traced step: the rewrites its backend needs.
 
-  Each rewrite keeps the result (bit for bit, but for a dot's summation
-  order); they only change what the backend compiler is given.
+  Each rewrite but `fast_math` keeps the result (bit for bit, but for a
+  dot's summation order); they only change what the backend compiler is
+  given. `fast_math` computes tanh and logistic with the GPU's approximate
+  instructions, within the error bounds `fast_math.py` states.
 
   Attributes:
     swap_transposed_dots: compute `transpose(dot(a, b))` as `dot(b, a)`
@@ -48,6 +52,12 @@ class Rules:
     merge_leading_contractions: a dot contracting the same leading axes of
       both operands (a weight gradient of a [TB, S, D] state) is computed
       on operands reshaped to 2-D (`_merged_dot`; Mosaic).
+    fast_math: tanh and logistic as `fast_math.apply` computes them
+      (Triton): logistic by `ex2.approx`/`rcp.approx`, 16-bit operands in
+      float32.
+    approx_tanh: with `fast_math`, float32 tanh by `tanh.approx.f32`; set
+      per call by `for_state` (a 16-bit state), never by a backend.
+    emulate_fast_math: `fast_math` in jnp, for interpret mode (no PTX).
   """
 
   swap_transposed_dots: bool = False
@@ -55,12 +65,37 @@ class Rules:
   integer_mask_selects: bool = False
   split_dot_bytes: int | None = None
   merge_leading_contractions: bool = False
+  fast_math: bool = False
+  approx_tanh: bool = False
+  emulate_fast_math: bool = False
 
 
 PLAIN = Rules()
 TRITON = Rules(swap_transposed_dots=True, fence_transposed_operands=True,
-               integer_mask_selects=True, split_dot_bytes=32768)
+               integer_mask_selects=True, split_dot_bytes=32768, fast_math=True)
+TRITON_INTERPRET = dataclasses.replace(TRITON, emulate_fast_math=True)
 MOSAIC = Rules(merge_leading_contractions=True)
+
+
+def for_state(rules: Rules, h: Any, approx_tanh: bool | None = None) -> Rules:
+  """`rules` for a call whose carried state is `h` (arrays or avals).
+
+  Args:
+    rules: the backend's rules.
+    h: the state.
+    approx_tanh: `iterate`'s: None: the approximate tanh where every
+      floating leaf of the state is 16-bit (`fast_math.py` says why its
+      error bound then holds); True/False: always/never. Only where the
+      backend computes fast math (Triton).
+
+  Example:
+    >>> for_state(TRITON, jax.numpy.zeros((4, 8), jax.numpy.bfloat16)).approx_tanh
+    True
+    >>> for_state(TRITON, jax.numpy.zeros((4, 8))).approx_tanh
+    False
+  """
+  wanted = fast_math.sixteen_bit(h) if approx_tanh is None else approx_tanh
+  return dataclasses.replace(rules, approx_tanh=rules.fast_math and wanted)
 
 
 class LoadOnUse:
@@ -154,6 +189,10 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
     sub = eqn.params.get("jaxpr")
     if eqn.primitive.name in _INLINED and isinstance(sub, jex_core.ClosedJaxpr):
       outs = eval_jaxpr(sub.jaxpr, sub.consts, invals, rules=rules)
+    elif (rules.fast_math and eqn.primitive.name in fast_math.PRIMITIVES
+          and fast_math.applies(eqn.primitive.name, invals[0], rules.approx_tanh)):
+      outs = [fast_math.apply(eqn.primitive.name, invals[0], approx_tanh=rules.approx_tanh,
+                              emulate=rules.emulate_fast_math)]
     elif rules.integer_mask_selects and _is_masked_select(eqn):
       outs = [_bitwise_select(*invals)]
     elif rules.merge_leading_contractions and merges_leading_contractions(eqn):

@@ -71,13 +71,15 @@ class WindowOperands(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-  """The caller's static choice of implementation and tiling (see `iterate`)."""
+  """The caller's static choice of implementation, tiling and the kernels'
+  tanh (see `iterate`)."""
 
   implementation: str | None = None
   interpret: Any = None
   block_rows: int | None = None
   sort_rows: bool = True
   schedule: str | None = None
+  approx_tanh: bool | None = None
 
   def as_kwargs(self) -> dict[str, Any]:
     """The options as `iterate` keyword arguments."""

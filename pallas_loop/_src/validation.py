@@ -173,7 +173,7 @@ def halting_operands(tol: Any, halt: Callable[..., Any] | None,
 
 
 def check_options(step: Any, implementation: Any, interpret: Any, block_rows: Any,
-                  sort_rows: Any, schedule: Any = None) -> Tiling:
+                  sort_rows: Any, schedule: Any = None, approx_tanh: Any = None) -> Tiling:
   """The tiling options after checks (and `step` is callable)."""
   if not callable(step):
     raise TypeError(f"step must be callable as step(params, h, x), got "
@@ -194,5 +194,7 @@ def check_options(step: Any, implementation: Any, interpret: Any, block_rows: An
     raise TypeError(f"{sort_rows=} must be a bool.")
   if schedule is not None and schedule not in SCHEDULES:
     raise ValueError(f"{schedule=} must be None, 'grid' or 'persistent'.")
+  if approx_tanh is not None and not isinstance(approx_tanh, bool):
+    raise TypeError(f"{approx_tanh=} must be None, True or False.")
   return Tiling(implementation=implementation, interpret=interpret, block_rows=block_rows,
-                sort_rows=sort_rows, schedule=schedule)
+                sort_rows=sort_rows, schedule=schedule, approx_tanh=approx_tanh)

@@ -131,6 +131,9 @@ def iterate_takes(keyword: str) -> bool:
 # The loop-invariant hoisting's before/after on the H200's SASS: these run
 # again with hoist=False (the default hoists), in both matrices.
 HOIST_BEFORE_AFTER = ("tanh_rnn", "gru")
+# SASS instructions per forward trip (D=128 bf16, per warp) when the loop
+# issue was filed (its table), the baseline of its 40% goal.
+ISSUE_BASELINE_SASS = {"tanh_rnn": 240, "gru": 671}
 
 
 def matrix(full: bool, targets) -> list[Case]:
@@ -835,9 +838,11 @@ def hoist_table(results: list[dict]) -> str:
   """The hoisting's before (hoist=False) and after (the default) per H200 kernel.
 
   Against the compile issue's goals for the forward kernel: at most half the
-  MMAs per trip, at least 40% fewer instructions per trip, no spills, and
-  (the GRU) two or more programs per SM. Reported, not enforced: the table
-  says which goals are met.
+  MMAs per trip, at least 40% fewer instructions per trip than when the
+  issue was filed (`ISSUE_BASELINE_SASS`: the hoisting, the loop without a
+  per-trip reduction and the hardware tanh/logistic together; `hoist=False`
+  has the other two), no spills, and (the GRU) two or more programs per
+  SM. Reported, not enforced: the table says which goals are met.
   """
   by_label = {(r["case"]["target"], r["label"]): r for r in results}
   head = ("| block | kernel | SASS/trip before -> after | MMA/trip before -> after "
@@ -856,8 +861,10 @@ def hoist_table(results: list[dict]) -> str:
       pair = lambda k, b=b, a=a: f"{_cell(b[k])} -> {_cell(a[k])}"
       goals = ""
       if kernel == KERNELS[0]:
+        base = ISSUE_BASELINE_SASS[block]
         checks = [("MMA <= 1/2", a["mma"] * 2 <= b["mma"]),
-                  ("SASS -40%", a["instructions"] <= 0.6 * b["instructions"]),
+                  (f"SASS -40% of the issue's {base}",
+                   a["instructions"] <= 0.6 * base),
                   ("no spills", not a["spills"])]
         if block == "gru":
           checks.append(("programs >= 2", (a["programs"] or 0) >= 2))

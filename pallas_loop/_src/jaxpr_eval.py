@@ -56,7 +56,8 @@ class Rules:
       (Triton): logistic by `ex2.approx`/`rcp.approx`, 16-bit operands in
       float32.
     approx_tanh: with `fast_math`, float32 tanh by `tanh.approx.f32`; set
-      per call by `for_state` (a 16-bit state), never by a backend.
+      per call by `for_state` (from the state's dtypes, or from
+      `iterate(approx_tanh=...)`), never by a backend.
     emulate_fast_math: `fast_math` in jnp, for interpret mode (no PTX).
   """
 

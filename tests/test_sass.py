@@ -210,26 +210,28 @@ def _h200(label, fwd, bwd):
                                "pallas_loop_iterate_bwd": kernel(*bwd)}}
 
 
-def test_hoist_table_reports_each_goal():
+def _gru_hoist_lines(before, after):
+  """The hoisting table's forward and backward lines for a GRU whose
+  hoist=False and default kernels are `before` and `after`: ((fwd), (bwd))
+  each as `_h200` takes them."""
   table = compile_check.hoist_table([
-      _h200("gru D=128 bfloat16 full hoist=False", (671, 96, 246, 0, 204_800),
-            (5957, 300, 255, 1068, 36_864)),
-      _h200("gru D=128 bfloat16 full", (610, 48, 102, 0, 102_400),
-            (3477, 150, 255, 408, 36_864)),
-  ])
-  fwd = next(l for l in table.splitlines() if "iterate_fwd" in l)
+      _h200("gru D=128 bfloat16 full hoist=False", *before),
+      _h200("gru D=128 bfloat16 full", *after)])
+  return tuple(next(l for l in table.splitlines() if f"iterate_{k}" in l)
+               for k in ("fwd", "bwd"))
+
+
+def test_hoist_table_reports_each_goal():
+  fwd, bwd = _gru_hoist_lines(
+      ((671, 96, 246, 0, 204_800), (5957, 300, 255, 1068, 36_864)),
+      ((610, 48, 102, 0, 102_400), (3477, 150, 255, 408, 36_864)))
   assert "671 -> 610 (-9%)" in fwd and "96 -> 48" in fwd and "1 -> 2" in fwd
   assert ("MMA <= 1/2: met, SASS -40% of the issue's 671: MISSED, no spills: met, "
           "programs >= 2: met" in fwd)
-  bwd = next(l for l in table.splitlines() if "iterate_bwd" in l)
   assert "5,957 -> 3,477 (-42%)" in bwd and "1,068 -> 408" in bwd
   assert compile_check.hoist_table([]) == ""
   # The instruction goal is against the issue's trip, not hoist=False's.
-  met = compile_check.hoist_table([
-      _h200("gru D=128 bfloat16 full hoist=False", (319, 96, 255, 0, 204_800),
-            (5687, 300, 255, 1152, 36_864)),
-      _h200("gru D=128 bfloat16 full", (266, 48, 106, 0, 102_400),
-            (3172, 150, 255, 440, 36_864)),
-  ])
-  fwd = next(l for l in met.splitlines() if "iterate_fwd" in l)
+  fwd, _ = _gru_hoist_lines(
+      ((319, 96, 255, 0, 204_800), (5687, 300, 255, 1152, 36_864)),
+      ((266, 48, 106, 0, 102_400), (3172, 150, 255, 440, 36_864)))
   assert "319 -> 266 (-17%)" in fwd and "SASS -40% of the issue's 671: met" in fwd

@@ -46,9 +46,10 @@ def sweep(batch: int, d: int, dtype, candidates, repeats: int,
   out = []
   for block in blocks_:
     step, params, h0, x = blocks.make(block, batch, d, dtype, jax.random.key(5))
-    kw = {}
+    kw, label = {}, block
     if keyed:
       step, kw = _dropout(step), {"key": jax.random.key(7)}
+      label = f"{block} + dropout (keyed)"
     for counts in distributions:
       t_max = cases.DEFAULT_MAX_ITERS[counts]
       n = jnp.asarray(cases.count_distribution(counts, batch, t_max, 5))
@@ -61,8 +62,7 @@ def sweep(batch: int, d: int, dtype, candidates, repeats: int,
             reference.iterate, step, iters=n, max_iters=t_max, **kw)), params, h0, x,
             repeats=repeats)
       times = "  ".join(f"{k}: {v * 1e3:.3f} ms" for k, v in sorted(r.seconds.items()))
-      block = block + (" + dropout (keyed)" if keyed else "")
-      print(f"block_rows {block} B={batch} D={d} {jnp.dtype(dtype).name} {counts}: {times}; "
+      print(f"block_rows {label} B={batch} D={d} {jnp.dtype(dtype).name} {counts}: {times}; "
             f"best {r.best}, default {default}"
             + (f"; masked scan {scan * 1e3:.3f} ms" if scan is not None else "")
             + (f"; rejected {sorted(r.rejected)}" if r.rejected else ""), flush=True)

@@ -23,10 +23,11 @@ logistic from the `ex2.approx` and `rcp.approx` instructions). Here:
   division, no bf16 `math.tanh`) is computed in float32 and rounded back, as
   XLA does.
 
-Interpret mode has no PTX: `Rules.emulate` computes the same formulas in jnp,
-with the approximate tanh at its documented worst case (`tanh(x) (1 +
-2^-11)`, clipped to [-1, 1]), so CPU tests check the tolerances against the
-largest error the hardware may make, not against an exact tanh.
+Interpret mode has no PTX: `jaxpr_eval.Rules.emulate_fast_math` computes
+the same formulas in jnp, with the approximate tanh at its documented worst
+case (`tanh(x) (1 + 2^-11)`, clipped to [-1, 1]), so CPU tests check the
+tolerances against the largest error the hardware may make, not against an
+exact tanh.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from pallas_loop._src import backend_mosaic_tpu
 from pallas_loop._src import dispatch
 from pallas_loop._src import kernel_forward
 from pallas_loop._src import kernel_tpu_groups
+from pallas_loop._src import step_fn
 from pallas_loop._src import tiling
 from benchmarks import blocks
 from tests import cases
@@ -158,18 +159,17 @@ def test_mosaic_plan_rules():
   # Planned for the chip (no compile): a 16-bit state needs chunks of whole
   # 16-row tiles, a 1-D leaf chunks of whole 128-lane rows.
   step, params, h0, x = blocks.make("tanh_rnn", 256, 128, jnp.bfloat16)
-  fn = pallas_loop._src.step_fn.StepFn(step, ())  # pylint: disable=protected-access
+  fn = step_fn.StepFn(step_fn.with_halt(step, None), ())
   plan = lambda **kw: kernel_tpu_groups.plan(backend_mosaic_tpu.MOSAIC_TPU, fn, params, (),
                                              h0, x, max_iters=8, **kw)
   assert not plan().problems and plan().chunk_rows == 128
   assert any("multiple of 16" in m for m in plan(block_rows=8).problems)
   assert not plan(block_rows=16).problems
-  one_d = lambda p, h, x: h * 0.5
-  fn = pallas_loop._src.step_fn.StepFn(one_d, ())  # pylint: disable=protected-access
+  fn = step_fn.StepFn(step_fn.with_halt(lambda p, h, x: h * 0.5, None), ())
   problems = kernel_tpu_groups.plan(backend_mosaic_tpu.MOSAIC_TPU, fn, None, (),
                                     jnp.zeros((512,)), None, block_rows=64,
                                     max_iters=8).problems
-  assert any("1-D" in m and "128" in m for m in problems)
+  assert any("a chunk of its rows" in m and "multiple of 128" in m for m in problems)
 
 
 def test_active_rows_is_the_running_prefix():

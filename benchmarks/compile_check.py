@@ -73,6 +73,10 @@ DTYPES = ("bfloat16", "float32")
 BATCH = 4096
 MAX_ITERS = 16
 KERNELS = ("pallas_loop_iterate_fwd", "pallas_loop_iterate_bwd")
+# Multi-head attention over each row's tokens as libraries write it
+# (`benchmarks/attention.py`): block name -> style.
+ATTENTION = {"attention_flax": "flax", "attention_equinox": "equinox",
+             "attention_einsum": "einsum"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,10 +252,16 @@ def _function(case: Case, implementation: str | None = None):
   import pallas_loop  # pylint: disable=g-import-not-at-top
   from benchmarks import blocks  # pylint: disable=g-import-not-at-top
 
-  step, params, h0, x = blocks.make(case.block, BATCH, case.d, jnp.dtype(case.dtype))
-  n = jnp.arange(BATCH, dtype=jnp.int32) % (MAX_ITERS + 1)
   kw: dict[str, Any] = dict(max_iters=MAX_ITERS, grad=_grad_mode(case.mode),
                             block_rows=case.block_rows, implementation=implementation)
+  if case.block in ATTENTION:
+    from benchmarks import attention  # pylint: disable=g-import-not-at-top
+    step, params, h0, x, options = attention.make(
+        ATTENTION[case.block], BATCH, case.d, jnp.dtype(case.dtype))
+    kw.update(options)
+  else:
+    step, params, h0, x = blocks.make(case.block, BATCH, case.d, jnp.dtype(case.dtype))
+  n = jnp.arange(BATCH, dtype=jnp.int32) % (MAX_ITERS + 1)
   if implementation == "pallas":
     kw["interpret"] = False
   if case.tol:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from jax._src import source_info_util
 from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jex_core
 import numpy as np
@@ -111,10 +112,16 @@ def vmem_estimate(fp: footprint_lib.Footprint) -> int:
 
   Pallas double-buffers every block (the pipeline fetches the next tile's
   while this one runs), shared operands included; plus `_FIXED_SCRATCH` and
-  `_ROW_TEMPORARIES` float32 row values.
+  the step's values: `_ROW_TEMPORARIES` float32 row values, or where more
+  the most its values keep alive at once, each padded to VMEM's tiles
+  (`Footprint.peak_live_bytes`). The latter is what a backward of
+  multi-head attention needs: it keeps the forward's [TB, H, L, L]
+  probabilities and [TB, L, H, K] heads, each padded 16- and 8-fold in
+  their last two axes (L = 8, K = 32), until their cotangents are computed.
   """
   blocks = sum(padded_bytes(shape, dtype) for shape, dtype in fp.blocks)
-  return 2 * blocks + _FIXED_SCRATCH + _ROW_TEMPORARIES * fp.largest_row_value_bytes
+  values = max(_ROW_TEMPORARIES * fp.largest_row_value_bytes, fp.peak_live_bytes(padded_bytes))
+  return 2 * blocks + _FIXED_SCRATCH + values
 
 
 def configure(fp: footprint_lib.Footprint, block_rows_given: bool
@@ -159,30 +166,6 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool
       estimate={"vmem_bytes": need, "vmem_limit_bytes": limit or default}), []
 
 
-def _dot_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
-  """Dots libtpu's Mosaic (0.0.48.1) aborts on, measured deviceless: more than
-  one contracted axis, unless the dot is unbatched and the lhs contracts its
-  trailing axes and the rhs its leading ones (or both their leading axes:
-  `jaxpr_eval._merged_dot`)."""
-  problems = []
-  for eqn in backend_lib.iter_eqns(jaxpr):
-    if eqn.primitive.name != "dot_general" or jaxpr_eval.merges_leading_contractions(eqn):
-      continue
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    if len(lc) < 2:
-      continue
-    lhs_rank = len(eqn.invars[0].aval.shape)  # type: ignore[attr-defined]
-    trailing = tuple(range(lhs_rank - len(lc), lhs_rank))
-    leading = tuple(range(len(rb), len(rb) + len(rc)))
-    if lb or tuple(lc) != trailing or tuple(rc) != leading:
-      shapes = [tuple(v.aval.shape) for v in eqn.invars]  # type: ignore[attr-defined]
-      problems.append(
-          f"Mosaic TPU aborts on a dot contracting axes {tuple(lc)} x {tuple(rc)} of "
-          f"{shapes[0]} x {shapes[1]} (more than one contracted axis, not the lhs's "
-          "trailing and the rhs's leading ones); contract one axis, or reshape first")
-  return problems
-
-
 def _random_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
   """`jax.random` on an array of keys (the per-row keys of a per-example
   step, vmapped): Mosaic's `random_bits` rule takes one key and fails inside
@@ -214,6 +197,36 @@ def _default_block_rows(batch: int) -> int:
   return min(rows, -(-batch // 16) * 16)
 
 
+def _narrow_scalar_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
+  """Scalars of 16-bit floats the kernel would compute: Mosaic makes a
+  scalar only of a 32-bit value ("Only arrays with 32-bit element types can
+  be converted to scalars", JAX 0.11.2), e.g. the gradient of a bfloat16
+  scalar parameter (a sum over every element). A scalar computed from
+  constants alone is computed while tracing (`jaxpr_eval._folds`): fine."""
+  problems: list[str] = []
+
+  def walk(j: jex_core.Jaxpr, constant: set) -> None:
+    for eqn in j.eqns:
+      ins = [v for v in eqn.invars if not isinstance(v, jex_core.Literal)]
+      subs = jex_core.jaxprs_in_params(eqn.params)
+      for sub in subs:
+        walk(sub, set())
+      if not subs and all(v in constant for v in ins):
+        constant.update(eqn.outvars)
+        continue
+      for v in eqn.outvars:
+        dtype = getattr(v.aval, "dtype", None)
+        if (getattr(v.aval, "shape", None) == () and isinstance(dtype, np.dtype)
+            and np.issubdtype(dtype, np.floating) and dtype.itemsize < 4):
+          where = source_info_util.summarize(eqn.source_info)
+          problems.append(f"the step computes a {dtype.name} scalar ({eqn.primitive.name} at "
+                          f"{where}), which Mosaic TPU does not lower (it makes scalars of "
+                          "32-bit values only); keep scalar parameters in float32")
+
+  walk(jaxpr, set())
+  return list(dict.fromkeys(problems))
+
+
 MOSAIC_TPU = backend_lib.Backend(
     name="mosaic_tpu",
     platforms=("tpu",),
@@ -221,6 +234,8 @@ MOSAIC_TPU = backend_lib.Backend(
     block_problems=_block_problems,
     configure=configure,
     lowering_rules=_lowering_rules,
-    extra_problems=lambda jaxpr: _dot_problems(jaxpr) + _random_problems(jaxpr),
+    # Dots with several batch or contracted axes are rewritten into forms
+    # Mosaic compiles (`jaxpr_eval._canonical_dot`, `_merged_dot`), not declined.
+    extra_problems=lambda jaxpr: _random_problems(jaxpr) + _narrow_scalar_problems(jaxpr),
     smallest_default_rows=SMALLEST_TILE,
 )

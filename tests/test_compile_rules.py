@@ -242,6 +242,25 @@ def test_re_read_and_split_weights_match_the_reference(re_read_interpret, block)
   oracle.assert_trees_close(got, want, what=f"{block} re-read")
 
 
+@pytest.mark.parametrize("block", ["tanh_rnn", "gru", "lstm", "residual_mlp_ln"])
+def test_gpu_rules_in_interpret_mode_match_the_reference(block):
+  """interpret="gpu": the Triton rewrites (swapped transposed dots, fences,
+  fast math at its worst case) evaluated on the CPU, forward and gradient,
+  a keyed dropout among them (the integer-mask select), against the oracle."""
+  step, params, h0, x = blocks.make(block, 40, 16)
+  keyed = lambda p, h, x_, key: step(p, jax.tree.map(
+      lambda a: pallas_loop.random.dropout(key, a, 0.1), h), x_)
+  n = cases.counts("ragged", 40, MAX_ITERS)
+  kw = dict(iters=n, max_iters=MAX_ITERS, key=jax.random.key(3))
+  loss = lambda it, p, h, x_: cases.tree_sum(it(keyed, p, h, x_, **kw))
+  run = functools.partial(pallas_loop.iterate, implementation="pallas", interpret="gpu",
+                          block_rows=16)
+  got = jax.value_and_grad(functools.partial(loss, run), argnums=(0, 1, 2))(params, h0, x)
+  want = jax.value_and_grad(functools.partial(loss, reference.iterate),
+                            argnums=(0, 1, 2))(params, h0, x)
+  oracle.assert_trees_close(got, want, what=f"{block} under the GPU's rules")
+
+
 def test_split_parts():
   assert jaxpr_eval.split_parts(512, 128, 2, 32768) == 4
   assert jaxpr_eval.split_parts(128, 128, 2, 32768) == 1
@@ -352,8 +371,9 @@ def test_mosaic_raises_the_vmem_limit_where_the_blocks_need_it():
 
 @pytest.mark.parametrize("d, hoist", [(1024, False), (2048, True)])
 def test_mosaic_rejects_what_no_vmem_limit_holds(d, hoist):
-  # Hoisting takes the input weights U out of the backward kernel: the LSTM at
-  # D=1024 float32 then fits (about 98 MB of 112), so the hoisted case is wider.
+  # Hoisting takes the input weights U out of the backward kernel, so the
+  # hoisted case is wider; both exceed what a kernel may ask for, with the
+  # margin over the estimate (`backend_mosaic_tpu._MARGIN`).
   plans, _, _ = _plans("lstm", d, "float32", grad=True, platform="tpu", hoist=hoist)
   assert plans["backward"].config is None
   assert "no kernel configuration fits the TPU's VMEM" in plans["backward"].problems[0]
@@ -446,3 +466,23 @@ def test_attention_in_interpret_mode_matches_the_reference(style):
   got = jax.value_and_grad(functools.partial(loss, run), argnums=(0, 1))(params, h0)
   want = jax.value_and_grad(functools.partial(loss, reference.iterate), argnums=(0, 1))(params, h0)
   oracle.assert_trees_close(got, want, what=f"{style} attention")
+
+
+def test_mosaic_declines_a_16_bit_scalar_computed_in_the_kernel():
+  """Mosaic makes scalars of 32-bit values only: the gradient of a bfloat16
+  scalar parameter is declined with the reason (XLA runs it), not a
+  compiler error; a scalar of constants is folded while tracing."""
+  notices._warned.clear()
+  step = lambda p, h, x: jnp.tanh(h * p[0] + x) / jnp.sqrt(16.0).astype(h.dtype)
+  params = (jnp.asarray(0.5, jnp.bfloat16),)
+  h0 = jnp.ones((256, 128), jnp.bfloat16)
+  loss = lambda p, h: cases.tree_sum(pallas_loop.iterate(step, p, h, h0, max_iters=3))
+  with dispatch.observe_plans() as seen, warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    text = lowering.export_text(jax.grad(loss), params, h0, platform="tpu")
+  plans = {what: p for what, name, p in seen if name == "mosaic_tpu"}
+  assert not plans["forward"].problems
+  (problem,) = plans["backward"].problems
+  assert "computes a bfloat16 scalar (reduce_sum" in problem and "float32" in problem
+  assert any("mosaic_tpu backward kernel cannot run this step" in str(m.message) for m in caught)
+  assert text.count(lowering.kernel_marker("tpu")) == 1  # the forward kernel only

@@ -54,10 +54,9 @@ class Rules:
       both operands (a weight gradient of a [TB, S, D] state) is computed
       on operands reshaped to 2-D (`_merged_dot`; Mosaic).
     canonical_dots: a dot with several batch axes (the rows and the heads
-      of multi-head attention) is computed with one, and a dot without
-      batch axes that contracts several axes in another order than the
-      lhs's trailing against the rhs's leading ones is computed in that
-      order (`_canonical_dot`; Mosaic).
+      of multi-head attention) or several contracted axes is computed with
+      one of each, its operands' axes transposed into groups and merged
+      (`_canonical_dot`; Mosaic).
     wide_accumulators: a dot of narrow floats whose result is narrow
       (`jnp.einsum` of two bfloat16 arrays) accumulates in float32 and is
       rounded once, as XLA computes it on a TPU (Mosaic).
@@ -397,8 +396,7 @@ def _grouped(x: jax.Array, batch: Sequence[int], contracted: Sequence[int],
   order = lead + (free + contracted if contracted_last else contracted + free)
   if order != list(range(x.ndim)):
     x = jax.numpy.transpose(x, order)
-  sizes = [x.shape[i] for i in range(x.ndim)]
-  batch_size = [int(np.prod(sizes[:len(lead)]))] if lead else []
+  batch_size = [int(np.prod(x.shape[:len(lead)]))] if lead else []
   free_sizes = [x.shape[i] for i in range(len(lead), x.ndim) if order[i] in free]
   k = int(np.prod([x.shape[order.index(i)] for i in contracted]))
   shape = batch_size + (free_sizes + [k] if contracted_last else [k] + free_sizes)
@@ -416,7 +414,7 @@ def _canonical_dot(eqn: jex_core.JaxprEqn, lhs: jax.Array, rhs: jax.Array,
   with several contracted axes ("lhs contracting dims must be of size 1":
   Flax's `DenseGeneral` projection from the heads, `einsum("bqhd,hde->
   bqe")`, and its gradients); libtpu 0.0.48.1 aborts on some of the latter
-  (`backend_mosaic_tpu._dot_problems`). Each operand is transposed, where
+  ("Check failed", the lhs's contracted axes not trailing). Each operand is transposed, where
   its axes are not already in groups, to have its batch axes first and its
   contracted axes together, and each group is merged into one axis (all
   measured to compile, deviceless, with both); the result [batch, lhs

@@ -25,9 +25,9 @@ from jax import export
 from jax import tree_util
 
 try:  # public from some JAX version on; private before
-  from jax.sharding import AbstractDevice  # type: ignore[attr-defined]
+  from jax.sharding import AbstractDevice
 except ImportError:  # pragma: no cover - depends on the JAX version
-  from jax._src.mesh import AbstractDevice  # type: ignore[attr-defined,no-redef]
+  from jax._src.mesh import AbstractDevice
 
 # The Triton custom call, let through `jax.export`'s safety check (public
 # from JAX 0.11; the same string before).
@@ -99,7 +99,8 @@ def compiler(target: Target) -> tuple[Any, str]:
     except Exception as e:  # pylint: disable=broad-except
       return None, f"the CUDA plugin's compile-only topology is unavailable: {type(e).__name__}: {e}"
     what = "XLA's Triton pipeline and ptxas (jax CUDA plugin)"
-  return jax.sharding.Mesh(topo.devices[:1], ("x",)), f"{what}, {topo.devices[0].device_kind}"
+  kind = getattr(topo.devices[0], "device_kind", target.device_kind)
+  return jax.sharding.Mesh(topo.devices[:1], ("x",)), f"{what}, {kind}"
 
 
 def compile_for(fn: Callable[..., Any], args: tuple, mesh: Any) -> Any:

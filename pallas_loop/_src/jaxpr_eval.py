@@ -207,9 +207,11 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
     elif rules.integer_mask_selects and _is_masked_select(eqn):
       outs = [_bitwise_select(*invals)]
     elif rules.merge_leading_contractions and merges_leading_contractions(eqn):
-      outs = [_merged_dot(eqn, *_matched(invals), rules=rules)]
+      lhs, rhs = _matched(invals)
+      outs = [_merged_dot(eqn, lhs, rhs, rules=rules)]
     elif rules.canonical_dots and needs_canonical_form(eqn):
-      outs = [_canonical_dot(eqn, *_matched(invals), rules=rules)]
+      lhs, rhs = _matched(invals)
+      outs = [_canonical_dot(eqn, lhs, rhs, rules=rules)]
     elif i in swapped:
       if fence:
         invals = _fenced(eqn, invals, [v in computed for v in eqn.invars], swapped=True)

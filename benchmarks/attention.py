@@ -95,7 +95,8 @@ def einsum_layer(params: dict, h: jax.Array) -> jax.Array:
   def norm(a, gain, bias):
     mu = jnp.mean(a, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(a - mu), axis=-1, keepdims=True)
-    return ((a - mu) * jax.lax.rsqrt(var + 1e-6) * gain + bias).astype(h.dtype)
+    return ((a - mu) * jax.lax.rsqrt(var + 1e-6) * gain.astype(jnp.float32)
+            + bias.astype(jnp.float32)).astype(h.dtype)
 
   a = norm(f32, params["ln1_g"], params["ln1_b"])
   q = jnp.einsum("bld,dhk->blhk", a, params["wq"])

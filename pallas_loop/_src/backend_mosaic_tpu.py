@@ -18,6 +18,7 @@ import math
 from typing import Any, Sequence
 
 from jax._src import source_info_util
+import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jex_core
 import numpy as np
@@ -212,11 +213,18 @@ def _narrow_scalar_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
   scalar parameter (a sum over every element). A scalar computed from
   constants alone is computed while tracing (`jaxpr_eval._folds`): fine."""
   problems: list[str] = []
+  for v in list(jaxpr.invars) + list(jaxpr.constvars):
+    dtype = getattr(v.aval, "dtype", None)
+    if (getattr(v.aval, "shape", None) == () and isinstance(dtype, np.dtype)
+        and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4):
+      problems.append(f"a shared operand is a {dtype.name} scalar, which Mosaic TPU does not "
+                      "load (it makes scalars of 32-bit values only); keep scalar parameters "
+                      "in float32")
 
   def walk(j: jex_core.Jaxpr, constant: set) -> None:
     for eqn in j.eqns:
       ins = [v for v in eqn.invars if not isinstance(v, jex_core.Literal)]
-      subs = jex_core.jaxprs_in_params(eqn.params)
+      subs = list(jex_core.jaxprs_in_params(eqn.params))  # a generator in JAX 0.10
       for sub in subs:
         walk(sub, set())
       if not subs and all(v in constant for v in ins):
@@ -225,7 +233,7 @@ def _narrow_scalar_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
       for v in eqn.outvars:
         dtype = getattr(v.aval, "dtype", None)
         if (getattr(v.aval, "shape", None) == () and isinstance(dtype, np.dtype)
-            and np.issubdtype(dtype, np.floating) and dtype.itemsize < 4):
+            and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4):
           where = source_info_util.summarize(eqn.source_info)
           problems.append(f"the step computes a {dtype.name} scalar ({eqn.primitive.name} at "
                           f"{where}), which Mosaic TPU does not lower (it makes scalars of "

@@ -230,11 +230,15 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
       bind = eqn.primitive.get_bind_params(params)
       # (subfuns, params) before JAX 0.11, params from 0.11 on.
       subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
-      with eqn.ctx.manager, (jax.ensure_compile_time_eval() if _folds(eqn, invals)
+      folds = _folds(eqn, invals)
+      with eqn.ctx.manager, (jax.ensure_compile_time_eval() if folds
                              else contextlib.nullcontext()):
         outs = eqn.primitive.bind(*subfuns, *invals, **params)
       if not eqn.primitive.multiple_results:
         outs = [outs]
+      if folds:  # literals in the kernel, not captured constants (weak types kept)
+        outs = [np.asarray(o).item() if getattr(v.aval, "weak_type", False) else np.asarray(o)
+                for o, v in zip(outs, eqn.outvars)]
       if eqn.primitive.name == "dot_general" and narrow is not None:
         outs = [outs[0].astype(narrow)]
     for v, o in zip(eqn.outvars, outs):
@@ -255,9 +259,10 @@ def _folds(eqn: jex_core.JaxprEqn, invals: Sequence[Any]) -> bool:
   `sqrt` and `convert_element_type` of scalars: in the kernel Mosaic would
   make a bfloat16 scalar, which it cannot ("Only arrays with 32-bit element
   types can be converted to scalars", JAX 0.11.2); a bfloat16 constant it
-  takes. (Only scalars: a kernel cannot capture an array constant.)
+  takes. (Only scalars, and as numpy scalars: a kernel captures no array,
+  and JAX 0.10.2's Pallas not even a 0-d one, "captures constants".)
   """
-  return (not jex_core.jaxprs_in_params(eqn.params) and not eqn.effects
+  return (not list(jex_core.jaxprs_in_params(eqn.params)) and not eqn.effects
           and all(getattr(v.aval, "shape", None) == () for v in eqn.outvars)
           and not any(isinstance(a, jax.core.Tracer) for a in invals))
 

@@ -77,6 +77,11 @@ class Backend:
       while no configuration fits (a tile the caller chose is never changed).
     checks: for interpret mode, the compiled backend whose step rules
       (`step_problems`) it applies (`backend_interpret.py`); None: its own.
+    plan_forward: the backend's own forward kernel: `plan_forward(backend,
+      step_fn, params, consts, h0, x, block_rows, outputs=, sort_rows=,
+      max_iters=)` -> a plan with `.problems`, `.config` and `.run(ops,
+      sort_rows=, residual=, schedule=)`; None: the tile kernel every
+      backend shares (`kernel_forward.plan`).
   """
 
   name: str
@@ -89,6 +94,7 @@ class Backend:
   interpret: Any = False
   smallest_default_rows: int = 16
   checks: Backend | None = None
+  plan_forward: Callable[..., Any] | None = None
 
 
 def iter_eqns(jaxpr: jex_core.Jaxpr) -> Iterator[jex_core.JaxprEqn]:

@@ -67,7 +67,9 @@ def for_option(interpret: Any) -> backend_lib.Backend:
     return ON_TPU
   if interpret == "gpu":
     return ON_GPU
-  return dataclasses.replace(ON_TPU, name="tpu-interpret", interpret=interpret)
+  # TPU semantics: the TPU's own forward kernel, interpreted.
+  return dataclasses.replace(ON_TPU, name="tpu-interpret", interpret=interpret,
+                             plan_forward=backend_mosaic_tpu.MOSAIC_TPU.plan_forward)
 
 
 def check_option(interpret: Any) -> None:

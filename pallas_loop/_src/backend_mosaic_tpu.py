@@ -79,8 +79,8 @@ _UNKNOWN_TPU = (16 * MIB, 16 * MIB)
 
 # Beyond the blocks: Mosaic's internal scratch and the step's temporaries, a
 # few [block_rows, D] values (RESULTS.md, "Figures behind the code's choices").
-_FIXED_SCRATCH = 1 * MIB
-_ROW_TEMPORARIES = 8
+FIXED_SCRATCH = 1 * MIB
+ROW_TEMPORARIES = 8
 
 
 # What libtpu took over the estimate, at most (deviceless, multi-head attention
@@ -119,17 +119,22 @@ def vmem_estimate(fp: footprint_lib.Footprint) -> int:
   asks for twice it, see there).
 
   Pallas double-buffers every block (the pipeline fetches the next tile's
-  while this one runs), shared operands included; plus `_FIXED_SCRATCH` and
-  the step's values: `_ROW_TEMPORARIES` float32 row values, or where more
-  the most its values keep alive at once, each padded to VMEM's tiles
-  (`Footprint.peak_live_bytes`). The latter is what a backward of
-  multi-head attention needs: it keeps the forward's [TB, H, L, L]
-  probabilities and [TB, L, H, K] heads, each padded 16- and 8-fold in
-  their last two axes (L = 8, K = 32), until their cotangents are computed.
+  while this one runs), shared operands included; plus `FIXED_SCRATCH` and
+  the step's values (`step_values_bytes`).
   """
   blocks = sum(padded_bytes(shape, dtype) for shape, dtype in fp.blocks)
-  values = max(_ROW_TEMPORARIES * fp.largest_row_value_bytes, fp.peak_live_bytes(padded_bytes))
-  return 2 * blocks + _FIXED_SCRATCH + values
+  return 2 * blocks + FIXED_SCRATCH + step_values_bytes(fp)
+
+
+def step_values_bytes(fp: footprint_lib.Footprint) -> int:
+  """VMEM for the values a program computes: `ROW_TEMPORARIES` float32 row
+  values, or where more the most its values keep alive at once, each
+  padded to VMEM's tiles (`Footprint.peak_live_bytes`). The latter is what
+  a backward of multi-head attention needs: it keeps the forward's
+  [TB, H, L, L] probabilities and [TB, L, H, K] heads, each padded 16- and
+  8-fold in their last two axes (L = 8, K = 32), until their cotangents are
+  computed."""
+  return max(ROW_TEMPORARIES * fp.largest_row_value_bytes, fp.peak_live_bytes(padded_bytes))
 
 
 def configure(fp: footprint_lib.Footprint, block_rows_given: bool
@@ -243,6 +248,13 @@ def _narrow_scalar_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
   return list(dict.fromkeys(problems))
 
 
+def _plan_forward(*args, **kwargs):
+  """The TPU's own forward kernel (`kernel_tpu_groups.plan`), imported here
+  when first planned: that module builds on this one's rules."""
+  from pallas_loop._src import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
+  return kernel_tpu_groups.plan(*args, **kwargs)
+
+
 MOSAIC_TPU = backend_lib.Backend(
     name="mosaic_tpu",
     platforms=("tpu",),
@@ -254,4 +266,5 @@ MOSAIC_TPU = backend_lib.Backend(
     # Mosaic compiles (`jaxpr_eval._canonical_dot`, `_merged_dot`), not declined.
     extra_problems=lambda jaxpr: _random_problems(jaxpr) + _narrow_scalar_problems(jaxpr),
     smallest_default_rows=SMALLEST_TILE,
+    plan_forward=_plan_forward,
 )

@@ -373,7 +373,7 @@ def test_mosaic_raises_the_vmem_limit_where_the_blocks_need_it():
 def test_mosaic_rejects_what_no_vmem_limit_holds(d, hoist):
   # Hoisting takes the input weights U out of the backward kernel, so the
   # hoisted case is wider; both exceed what a kernel may ask for, with the
-  # margin over the estimate (`backend_mosaic_tpu._MARGIN`).
+  # margin over the estimate (`backend_mosaic_tpu.MARGIN`).
   plans, _, _ = _plans("lstm", d, "float32", grad=True, platform="tpu", hoist=hoist)
   assert plans["backward"].config is None
   assert "no kernel configuration fits the TPU's VMEM" in plans["backward"].problems[0]

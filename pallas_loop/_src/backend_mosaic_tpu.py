@@ -88,7 +88,7 @@ ROW_TEMPORARIES = 8
 # libtpu 0.0.48.1, 1.31 for Equinox's forward with 0.0.42.1; RESULTS.md):
 # a program whose estimate times this exceeds what a kernel may ask for is
 # declined before the compiler is asked ("CompileTimeScopedVmemOom").
-_MARGIN = 1.5
+MARGIN = 1.5
 
 # The smallest default tile height (`_default_block_rows`): also legal for a
 # 1-D operand, whose rows are the lane axis.
@@ -146,7 +146,7 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool
   `kernel_forward.configured` halves it); a program whose VMEM estimate (`vmem_estimate`),
   doubled, is within the TPU's default scoped limit runs as is; else the kernel asks for
   twice its estimate as its `vmem_limit_bytes`, at most 7/8 of the physical
-  VMEM (the rest stays XLA's); an estimate whose `_MARGIN` times is beyond
+  VMEM (the rest stays XLA's); an estimate whose `MARGIN` times is beyond
   that means no configuration fits (the XLA implementation runs it, a
   smaller `block_rows` may fit).
   """
@@ -163,11 +163,11 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool
     # down to SMALLEST_TILE, where the rule below applies as before.
     return None, [f"the default tile of {fp.block_rows} rows needs about {need:,} B of "
                   f"VMEM, over twice the TPU's default scoped limit ({default:,} B)"]
-  if need * _MARGIN > cap:
+  if need * MARGIN > cap:
     return None, [
         f"no kernel configuration fits the TPU's VMEM: a program needs about {need:,} B "
         f"(its blocks double-buffered: {len(fp.blocks)} blocks of {fp.block_rows} rows, "
-        f"the shared operands and the step's values), {_MARGIN}x of which is more than the "
+        f"the shared operands and the step's values), {MARGIN}x of which is more than the "
         f"{cap:,} B a kernel may ask for; a smaller block_rows may fit, else the XLA "
         "implementation runs it"]
   # Twice the estimate: the estimate alone fell short of what Mosaic took

@@ -111,7 +111,10 @@ def _plans(block, d, dtype, *, grad, implementation=None, batch=4096, platform="
   forward = lambda p, h, x_, n_: run(p, h, x_, iters=n_)
   f = jax.grad(lambda *a: cases.tree_sum(forward(*a))) if grad else forward
   backend = "triton" if platform == "cuda" else "mosaic_tpu"
-  with dispatch.observe_plans() as seen, warnings.catch_warnings(record=True) as caught:
+  # Flax's and Equinox's layers promote bfloat16 with float32 themselves.
+  promotion = "standard" if block in compile_check.ATTENTION else "strict"
+  with dispatch.observe_plans() as seen, warnings.catch_warnings(record=True) as caught, \
+       jax.numpy_dtype_promotion(promotion):
     warnings.simplefilter("always")
     text = lowering.export_text(f, params, h0, x, n, platform=platform)
   plans = {what: p for what, name, p in seen if name == backend}

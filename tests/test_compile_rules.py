@@ -14,13 +14,16 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pallas_loop
 from pallas_loop import _reference as reference
+from benchmarks import attention
 from benchmarks import blocks
 from benchmarks import compile_check
 from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import backend_interpret
 from pallas_loop._src import dispatch
 from pallas_loop._src import notices
 from pallas_loop._src import footprint as footprint_lib
@@ -93,16 +96,25 @@ def test_held_weight_used_only_widened_is_counted_widened():
 def _plans(block, d, dtype, *, grad, implementation=None, batch=4096, platform="cuda",
            hoist=True, block_rows=None):
   """The plans the rules make for a block, traced by exporting for `platform`."""
-  step, params, h0, x = blocks.make(block, batch, d, jnp.dtype(dtype))
+  options = {}
+  if block in compile_check.ATTENTION:
+    step, params, h0, x, options = attention.make(compile_check.ATTENTION[block], batch, d,
+                                                  jnp.dtype(dtype))
+  else:
+    step, params, h0, x = blocks.make(block, batch, d, jnp.dtype(dtype))
   n = jnp.arange(batch, dtype=jnp.int32) % (MAX_ITERS + 1)
   run = functools.partial(pallas_loop.iterate, step, max_iters=MAX_ITERS,
-                          implementation=implementation, hoist=hoist, block_rows=block_rows)
+                          implementation=implementation, hoist=hoist, block_rows=block_rows,
+                          **options)
   if implementation == "pallas":
     run = functools.partial(run, interpret=False)
   forward = lambda p, h, x_, n_: run(p, h, x_, iters=n_)
   f = jax.grad(lambda *a: cases.tree_sum(forward(*a))) if grad else forward
   backend = "triton" if platform == "cuda" else "mosaic_tpu"
-  with dispatch.observe_plans() as seen, warnings.catch_warnings(record=True) as caught:
+  # Flax's and Equinox's layers promote bfloat16 with float32 themselves.
+  promotion = "standard" if block in compile_check.ATTENTION else "strict"
+  with dispatch.observe_plans() as seen, warnings.catch_warnings(record=True) as caught, \
+       jax.numpy_dtype_promotion(promotion):
     warnings.simplefilter("always")
     text = lowering.export_text(f, params, h0, x, n, platform=platform)
   plans = {what: p for what, name, p in seen if name == backend}
@@ -215,8 +227,8 @@ def re_read_interpret(monkeypatch):
   rules = dataclasses.replace(jaxpr_eval.TRITON_INTERPRET, split_dot_bytes=1024)
   config = lambda fp, given: (backend_lib.KernelConfig(
       fp.block_rows, shared_on_chip=False, eval_rules=rules), [])
-  monkeypatch.setattr(backend_lib, "INTERPRET",
-                      dataclasses.replace(backend_lib.INTERPRET, configure=config))
+  monkeypatch.setattr(backend_interpret, "ON_TPU",
+                      dataclasses.replace(backend_interpret.ON_TPU, configure=config))
 
 
 @pytest.mark.parametrize("block", ["residual_mlp_ln", "gru"])
@@ -231,6 +243,25 @@ def test_re_read_and_split_weights_match_the_reference(re_read_interpret, block)
   want = jax.value_and_grad(functools.partial(loss, reference.iterate),
                             argnums=(0, 1, 2))(params, h0, x)
   oracle.assert_trees_close(got, want, what=f"{block} re-read")
+
+
+@pytest.mark.parametrize("block", ["tanh_rnn", "gru", "lstm", "residual_mlp_ln"])
+def test_gpu_rules_in_interpret_mode_match_the_reference(block):
+  """interpret="gpu": the Triton rewrites (swapped transposed dots, fences,
+  fast math at its worst case) evaluated on the CPU, forward and gradient,
+  a keyed dropout among them (the integer-mask select), against the oracle."""
+  step, params, h0, x = blocks.make(block, 40, 16)
+  keyed = lambda p, h, x_, key: step(p, jax.tree.map(
+      lambda a: pallas_loop.random.dropout(key, a, 0.1), h), x_)
+  n = cases.counts("ragged", 40, MAX_ITERS)
+  kw = dict(iters=n, max_iters=MAX_ITERS, key=jax.random.key(3))
+  loss = lambda it, p, h, x_: cases.tree_sum(it(keyed, p, h, x_, **kw))
+  run = functools.partial(pallas_loop.iterate, implementation="pallas", interpret="gpu",
+                          block_rows=16)
+  got = jax.value_and_grad(functools.partial(loss, run), argnums=(0, 1, 2))(params, h0, x)
+  want = jax.value_and_grad(functools.partial(loss, reference.iterate),
+                            argnums=(0, 1, 2))(params, h0, x)
+  oracle.assert_trees_close(got, want, what=f"{block} under the GPU's rules")
 
 
 def test_split_parts():
@@ -343,8 +374,9 @@ def test_mosaic_raises_the_vmem_limit_where_the_blocks_need_it():
 
 @pytest.mark.parametrize("d, hoist", [(1024, False), (2048, True)])
 def test_mosaic_rejects_what_no_vmem_limit_holds(d, hoist):
-  # Hoisting takes the input weights U out of the backward kernel: the LSTM at
-  # D=1024 float32 then fits (about 98 MB of 112), so the hoisted case is wider.
+  # Hoisting takes the input weights U out of the backward kernel, so the
+  # hoisted case is wider; both exceed what a kernel may ask for, with the
+  # margin over the estimate (`backend_mosaic_tpu.MARGIN`).
   plans, _, _ = _plans("lstm", d, "float32", grad=True, platform="tpu", hoist=hoist)
   assert plans["backward"].config is None
   assert "no kernel configuration fits the TPU's VMEM" in plans["backward"].problems[0]
@@ -363,19 +395,115 @@ def test_mosaic_merges_leading_contractions_and_matches_the_reference():
   oracle.assert_trees_close(got, want, what="transformer gradient")
 
 
-def test_mosaic_names_the_dots_it_would_abort_on():
-  def dot(lhs, rhs, dims):
-    structs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in (lhs, rhs)]
-    return jax.make_jaxpr(lambda u, v: jax.lax.dot_general(u, v, dims))(*structs).jaxpr
+def _dots(jaxpr):
+  return [e for e in backend_lib.iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
 
+
+def test_mosaic_rewrites_every_dot_to_one_batch_and_one_contracted_axis():
+  """JAX 0.10.2's Mosaic rejects a dot with several batch axes or several
+  contracted axes at lowering; libtpu 0.0.48.1 aborts on some of the latter
+  and rejects a 16-bit accumulator. The TPU rules rewrite each such dot
+  (`jaxpr_eval._canonical_dot`, `_merged_dot`) into the same sum."""
   none = ((), ())
-  fine = [((16, 8, 64), (16, 8, 32), (((0, 1), (0, 1)), none)),   # merged into a 2-D dot
-          ((16, 8, 64), (8, 64, 32), (((1, 2), (0, 1)), none)),   # lhs trailing, rhs leading
-          ((16, 64), (64, 32), (((1,), (0,)), none))]
-  aborts = [((8, 64, 16), (32, 8, 64), (((0, 1), (1, 2)), none)),  # libtpu 0.0.48.1 aborts
-            ((16, 8, 64), (16, 8, 64), (((1, 2), (1, 2)), ((0,), (0,))))]
-  for lhs, rhs, dims in fine:
-    assert not backend_mosaic_tpu._dot_problems(dot(lhs, rhs, dims))
-  for lhs, rhs, dims in aborts:
-    (problem,) = backend_mosaic_tpu._dot_problems(dot(lhs, rhs, dims))
-    assert "Mosaic TPU aborts on a dot" in problem
+  forms = [((16, 8, 64), (16, 8, 32), (((0, 1), (0, 1)), none)),        # weight gradient
+           ((16, 8, 4, 32), (4, 32, 64), (((3, 2), (1, 0)), none)),      # einsum("bqhd,hde->bqe")
+           ((16, 8, 4, 32), (64, 4, 32), (((2, 3), (1, 2)), none)),      # its input gradient
+           ((8, 64, 16), (32, 8, 64), (((0, 1), (1, 2)), none)),
+           ((16, 8, 4, 32), (16, 8, 4, 32), (((3,), (3,)), ((0, 2), (0, 2)))),  # bqhd,bkhd->bhqk
+           ((16, 4, 8, 8), (16, 8, 4, 32), (((3,), (1,)), ((0, 1), (0, 2)))),  # bhqk,bkhd->bhqd
+           ((16, 8, 4, 32), (16, 4, 8, 8), (((1,), (3,)), ((0, 2), (0, 1))))]
+  for dtype in (jnp.float32, jnp.bfloat16):
+    for lhs, rhs, dims in forms:
+      a = jax.random.normal(jax.random.key(0), lhs).astype(dtype)
+      b = jax.random.normal(jax.random.key(1), rhs).astype(dtype)
+      f = lambda u, v, dims=dims: jax.lax.dot_general(u, v, dims)
+      rewritten = lambda u, v, f=f: jaxpr_eval.call_with_matched_dots(f, u, v,
+                                                                      rules=jaxpr_eval.MOSAIC)
+      for eqn in _dots(jax.make_jaxpr(rewritten)(a, b).jaxpr):
+        (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+        assert len(lc) == 1 and len(lb) <= 1, (lhs, rhs, dims, eqn)
+        assert eqn.outvars[0].aval.dtype == jnp.float32, (lhs, rhs, dims, eqn)
+      want = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims)
+      got = rewritten(a, b)
+      assert got.dtype == dtype and got.shape == want.shape
+      tol = 1e-5 if dtype == jnp.float32 else 1e-2
+      np.testing.assert_allclose(got.astype(jnp.float32), want, rtol=tol, atol=tol * 10)
+
+
+# --- multi-head attention as libraries write it ------------------------------------
+
+
+def _library(block):
+  """Skips where the library a style is written with is not installed."""
+  style = compile_check.ATTENTION[block]
+  if style != "einsum":
+    pytest.importorskip(style)
+
+
+@pytest.mark.parametrize("block", sorted(compile_check.ATTENTION))
+def test_attention_as_libraries_write_it_runs_the_tpu_kernels(block):
+  _library(block)
+  """Rows and heads both batch axes, heads projected by `DenseGeneral` (Flax)
+  or per token (Equinox): the TPU's forward and backward kernels take them
+  (rewritten dots), with a VMEM limit from what the backward keeps alive."""
+  plans, text, caught = _plans(block, 128, "bfloat16", grad=True, batch=256, platform="tpu")
+  assert not plans["forward"].problems and not plans["backward"].problems, plans
+  assert text.count(lowering.kernel_marker("tpu")) >= 2
+  assert not [m for m in caught if "pallas_loop" in m]
+  backward = plans["backward"]
+  live = backward.footprint.peak_live_bytes(backend_mosaic_tpu.padded_bytes)
+  assert live > 8 * backward.footprint.largest_row_value_bytes  # attention keeps more alive
+  assert backward.config.estimate["vmem_bytes"] >= live
+
+
+def test_attention_declined_by_the_gpu_falls_back_or_raises():
+  _library("attention_flax")
+  notices._warned.clear()
+  plans, text, caught = _plans("attention_flax", 128, "bfloat16", grad=True, batch=256)
+  assert any("a batched dot" in p for p in plans["forward"].problems)
+  assert lowering.kernel_marker("cuda") not in text
+  assert any("triton forward kernel cannot run this step" in m for m in caught)
+  with pytest.raises(ValueError, match="triton forward kernel cannot run this step"):
+    _plans("attention_flax", 128, "bfloat16", grad=True, batch=256, implementation="pallas")
+
+
+@pytest.mark.parametrize("style", attention.STYLES)
+def test_attention_in_interpret_mode_matches_the_reference(style):
+  """Interpret mode evaluates the step as the TPU kernel does (the rewritten
+  dots), forward and gradient, against the oracle."""
+  if style != "einsum":
+    pytest.importorskip(style)
+  step, params, h0, x, options = attention.make(style, 11, 32, heads=4, tokens=5)
+  n = cases.counts("ragged", 11, 3)
+  loss = lambda it, p, h: cases.tree_sum(it(step, p, h, x, iters=n, max_iters=3, **options))
+  run = functools.partial(pallas_loop.iterate, implementation="pallas", block_rows=8)
+  got = jax.value_and_grad(functools.partial(loss, run), argnums=(0, 1))(params, h0)
+  want = jax.value_and_grad(functools.partial(loss, reference.iterate), argnums=(0, 1))(params, h0)
+  oracle.assert_trees_close(got, want, what=f"{style} attention")
+
+
+def test_mosaic_declines_a_16_bit_scalar_computed_in_the_kernel():
+  """Mosaic makes scalars of 32-bit values only: a bfloat16 scalar parameter
+  (and its gradient) is declined with the reason (XLA runs it), not a
+  compiler error; a scalar of constants is folded while tracing."""
+  notices._warned.clear()
+  step = lambda p, h, x: jnp.tanh(h * p[0] + x) / jnp.sqrt(16.0).astype(h.dtype)
+  params = (jnp.asarray(0.5, jnp.bfloat16),)
+  h0 = jnp.ones((256, 128), jnp.bfloat16)
+  loss = lambda p, h: cases.tree_sum(pallas_loop.iterate(step, p, h, h0, max_iters=3))
+  with dispatch.observe_plans() as seen, warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    text = lowering.export_text(jax.grad(loss), params, h0, platform="tpu")
+  plans = {what: p for what, name, p in seen if name == "mosaic_tpu"}
+  (problem,) = plans["forward"].problems
+  assert "a shared operand is a bfloat16 scalar" in problem
+  assert any("computes a bfloat16 scalar (reduce_sum" in p for p in plans["backward"].problems)
+  assert any("mosaic_tpu backward kernel cannot run this step" in str(m.message) for m in caught)
+  assert lowering.kernel_marker("tpu") not in text
+  # The same step with a float32 scalar runs both kernels.
+  params = (jnp.asarray(0.5, jnp.float32),)
+  f32 = lambda a: a.astype(jnp.float32)
+  step32 = lambda p, h, x: (jnp.tanh(f32(h) * p[0] + f32(x)) / jnp.sqrt(16.0)).astype(h.dtype)
+  loss = lambda p, h: cases.tree_sum(pallas_loop.iterate(step32, p, h, h0, max_iters=3))
+  text = lowering.export_text(jax.grad(loss), params, h0, platform="tpu")
+  assert text.count(lowering.kernel_marker("tpu")) == 2

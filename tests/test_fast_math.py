@@ -128,7 +128,7 @@ def test_16_bit_tanh_and_logistic_lower_for_triton_and_match_in_interpret_mode()
       _bf16_gates, p, h, x_, iters=n, max_iters=6, implementation="pallas", **kw))
   text = lowering.export_text(run(interpret=False), params, h0, x, platform="cuda")
   assert "tanh.approx.f32" in text and "ex2.approx.ftz.f32" in text
-  got = run(interpret=True)(params, h0, x).astype(F32)
+  got = run(interpret="gpu")(params, h0, x).astype(F32)
   want = reference.iterate(_bf16_gates, params, h0, x, iters=n, max_iters=6).astype(F32)
   # One bf16 unit in the last place, a few times over six steps.
   np.testing.assert_allclose(got, want, atol=4 * 2.0 ** -7 * float(jnp.max(jnp.abs(want))))
@@ -138,7 +138,7 @@ def test_interpret_mode_runs_the_worst_case_tanh_within_one_ulp_a_step():
   step, params, h0, x = blocks.make("tanh_rnn", 64, 32, BF16, jax.random.key(0))
   n = jnp.full((64,), 1, jnp.int32)
   got = pallas_loop.iterate(step, params, h0, x, iters=n, max_iters=1,
-                            implementation="pallas", interpret=True).astype(F32)
+                            implementation="pallas", interpret="gpu").astype(F32)
   want = reference.iterate(step, params, h0, x, iters=n, max_iters=1).astype(F32)
   ulp = 2.0 ** (jnp.floor(jnp.log2(jnp.maximum(jnp.abs(want), 2.0 ** -126))) - 7)
   assert bool(jnp.all(jnp.abs(got - want) <= ulp))  # faithful: within one bf16 ulp
@@ -153,6 +153,6 @@ def test_equations_without_operands_pass_the_rewrite():
   h0 = jnp.ones((16, 8), F32)
   n = jnp.arange(16, dtype=jnp.int32) % 4
   got = pallas_loop.iterate(step, jnp.float32(0.5), h0, h0, iters=n, max_iters=4,
-                            implementation="pallas", interpret=True)
+                            implementation="pallas", interpret="gpu")
   want = reference.iterate(step, jnp.float32(0.5), h0, h0, iters=n, max_iters=4)
   np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -57,9 +57,32 @@ def _row_loop(params, h0, x, first, last):
   return jnp.concatenate(rows)
 
 
+def _lift_tpu_rules(request, impl):
+  """The untied backward is declined by every compiled backend (the VJP of
+  `w[index]` is a `dynamic_update_slice`), and so by interpret mode
+  (`test_interpret_mode_declines_the_untied_backward_as_the_tpu_does`); its
+  kernel logic is checked here with the TPU's rules lifted."""
+  if impl == "pallas":
+    request.getfixturevalue("tpu_step_rules_lifted")
+
+
+def test_interpret_mode_declines_the_untied_backward_as_the_tpu_does():
+  params, h0, x = _inputs()
+  run = functools.partial(pallas_loop.iterate, iters=3, max_iters=T, **IMPLS["pallas"])
+  oracle.assert_trees_close(
+      run(_untied, params, h0, x, step_index=True),
+      reference.iterate(_untied, params, h0, x, iters=3, max_iters=T, step_index=True))
+  with pytest.raises(ValueError, match=r"the Pallas mosaic_tpu backward kernel cannot run this "
+                     r"step: step uses the primitive `dynamic_slice`"):
+    jax.grad(_loss(run), argnums=(0, 1, 2))(params, h0, x)
+  with pytest.raises(ValueError, match=r"the Pallas triton backward kernel cannot run this step"):
+    jax.grad(_loss(functools.partial(run, interpret="gpu")), argnums=(0, 1, 2))(params, h0, x)
+
+
 @pytest.mark.parametrize("impl", tuple(IMPLS))
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_forward_and_full_gradient_match_the_oracle(impl, jit):
+def test_forward_and_full_gradient_match_the_oracle(request, impl, jit):
+  _lift_tpu_rules(request, impl)
   params, h0, x = _inputs()
   n = cases.counts("ragged", B, T, seed=1)
   run = functools.partial(pallas_loop.iterate, iters=n, max_iters=T, **IMPLS[impl])
@@ -78,9 +101,10 @@ def test_forward_and_full_gradient_match_the_oracle(impl, jit):
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("mode", ["truncated", "phantom"])
-def test_last_steps_windows_see_each_steps_own_index(impl, mode):
+def test_last_steps_windows_see_each_steps_own_index(request, impl, mode):
   """Truncated(k) / Phantom(k): rows' windows start at different steps; each
   step still gets its own index (the windows run on one clock)."""
+  _lift_tpu_rules(request, impl)
   params, h0, x = _inputs(seed=2)
   n = cases.counts("ragged", B, T, seed=3)
   k = 2

@@ -127,7 +127,7 @@ def test_detects_gradient_difference(monkeypatch):
   assert 0.9 < rel < 1.1, msg  # doubled: off by 100%
 
 
-def test_detects_a_block_that_mixes_rows_in_the_kernel():
+def test_detects_a_block_that_mixes_rows_in_the_kernel(request):
   """A batch-mean block is rejected when iterate traces it (row_checks.py);
   a mixing that check cannot see (rows scattered to reversed positions) is
   right in the reference (whole batch), wrong on tiles, and caught here."""
@@ -137,6 +137,13 @@ def test_detects_a_block_that_mixes_rows_in_the_kernel():
     testing.check_against_reference(mixing, params, h0, x, iters=COUNTS,
                                     max_iters=MAX_ITERS, block_rows=8)
   hidden = lambda p, h, x_: step(p, jnp.zeros_like(h).at[jnp.arange(h.shape[0])[::-1]].set(h), x_)
+  # The TPU's kernel does not lower its `rev` and `scatter` (nor, so, does
+  # interpret mode); the comparison must catch it where a kernel does.
+  with pytest.raises(ValueError, match=r"mosaic_tpu forward kernel cannot run this step: "
+                     r"step uses the primitive `rev`"):
+    testing.check_against_reference(hidden, params, h0, x, iters=COUNTS,
+                                    max_iters=MAX_ITERS, block_rows=8)
+  request.getfixturevalue("tpu_step_rules_lifted")
   with pytest.raises(AssertionError, match=r"output h \(float32\[11, 8\]\): \d+ of 11 rows differ"):
     testing.check_against_reference(hidden, params, h0, x, iters=COUNTS,
                                     max_iters=MAX_ITERS, block_rows=8)
@@ -256,3 +263,74 @@ def test_key_is_passed_to_both():
   _, params, h0, x = blocks.make("tanh_rnn", 12, 16)
   pallas_loop.testing.check_against_reference(
       step, params[0], h0, x, iters=jnp.arange(12) % 6, max_iters=5, key=jax.random.key(0))
+
+
+
+# ---------------------------------------------------------------- the accelerators' rules
+
+
+def _untied(params, h, x, *, index):
+  w, b = params
+  return jnp.tanh(h @ w[index] + x + b[index])
+
+
+def _untied_inputs(batch=16, d=16, layers=4):
+  k = jax.random.split(jax.random.key(3), 4)
+  params = (0.5 * jax.random.normal(k[0], (layers, d, d)) / d ** 0.5,
+            0.1 * jax.random.normal(k[1], (layers, d)))
+  return params, jax.random.normal(k[2], (batch, d)), jax.random.normal(k[3], (batch, d))
+
+
+def test_check_against_reference_declines_what_the_tpu_declines():
+  """Untied weights: the TPU's backward kernel declines the VJP's dynamic
+  slices, so the CPU check raises the same, where it used to pass."""
+  params, h0, x = _untied_inputs()
+  kw = dict(iters=jnp.arange(16) % 4, max_iters=4, step_index=True)
+  with pytest.raises(ValueError, match=r"the Pallas mosaic_tpu backward kernel cannot run this "
+                     r"step: step uses the primitive `dynamic_slice`.*interpret='gpu'"):
+    testing.check_against_reference(_untied, params, h0, x, **kw)
+  testing.check_against_reference(_untied, params, h0, x, grads=False, **kw)
+  testing.check_against_reference(_untied, params, h0, x, implementation="xla", **kw)
+
+
+def test_interpret_names_its_target():
+  with pytest.raises(ValueError, match="interpret='cuda' must be None, True, False, 'tpu' or 'gpu'"):
+    pallas_loop.iterate(lambda p, h, x: h, None, jnp.ones((4, 2)), max_iters=1,
+                        implementation="pallas", interpret="cuda")
+
+
+def test_check_compiles_reports_what_runs_where():
+  params, h0, x = _untied_inputs(batch=256, d=128, layers=4)
+  report = testing.check_compiles(_untied, params, h0, x, max_iters=4, step_index=True,
+                                  grads=["full", pallas_loop.Truncated(2)])
+  for target, backend in (("tpu", "mosaic_tpu"), ("gpu", "triton")):
+    assert report.runs(target) == "kernel"
+    assert report.runs(target, "full", "forward") == "kernel"
+    assert report.runs(target, "full", "backward") == "XLA"
+    assert report.runs(target, "Truncated(k=2)", "backward") == "XLA"
+  lines = {(l.target, l.grad, l.kernel): l for l in report.lines}
+  backward = lines["tpu", "full", "backward"]
+  assert "`dynamic_slice`, which the Pallas mosaic_tpu lowering does not support" in backward.why
+  for line in report.lines:
+    # Which proof a line rests on depends on the compilers installed here.
+    assert line.proof in ("compiled", "exported"), str(report)
+    if line.proof == "exported":
+      assert "not compiled: " in line.detail and "pip install" in line.detail
+  assert "tpu full           backward XLA (step uses the primitive" in str(report)
+
+
+def test_check_compiles_under_pallas_reports_the_raise():
+  params, h0, x = _untied_inputs(batch=256, d=128, layers=4)
+  report = testing.check_compiles(_untied, params, h0, x, max_iters=4, step_index=True,
+                                  targets=["tpu"], implementation="pallas")
+  assert report.runs("tpu") == "kernel"
+  (raised,) = [l for l in report.lines if l.grad == "full"]
+  assert raised.runs == "raises" and "mosaic_tpu backward kernel cannot run" in raised.why
+
+
+def test_check_compiles_checks_its_arguments():
+  params, h0, x = _untied_inputs()
+  with pytest.raises(ValueError, match="targets"):
+    testing.check_compiles(_untied, params, h0, x, max_iters=2, targets=["cpu"])
+  with pytest.raises(TypeError, match="grads="):
+    testing.check_compiles(_untied, params, h0, x, max_iters=2, grad="full")

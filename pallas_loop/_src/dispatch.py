@@ -25,6 +25,7 @@ from jax.interpreters import batching
 from jax.interpreters import mlir
 
 from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import backend_interpret
 from pallas_loop._src import backend_mosaic_tpu
 from pallas_loop._src import backend_triton
 from pallas_loop._src import jaxpr_eval
@@ -128,13 +129,21 @@ def observe_plans() -> Iterator[list[tuple[str, str, Any]]]:
 def _problem_message(what: str, backend: backend_lib.Backend, problems: Sequence[str],
                      fallback: bool) -> str:
   listed = "; ".join(problems)
+  # Interpret mode declines in the name of the backend whose rules it applies.
+  name = (backend.checks or backend).name
   if fallback:
-    return (f"pallas_loop.iterate: the Pallas {backend.name} {what} kernel cannot "
+    return (f"pallas_loop.iterate: the Pallas {name} {what} kernel cannot "
             f"run this step ({listed}); using the XLA implementation. Pass "
             "implementation='xla' to silence this warning.")
-  return (f"pallas_loop.iterate(implementation='pallas'): the Pallas "
-          f"{backend.name} {what} kernel cannot run this step: {listed}. Fix the "
-          "shapes as described, or use implementation='xla'.")
+  message = (f"pallas_loop.iterate(implementation='pallas'): the Pallas "
+             f"{name} {what} kernel cannot run this step: {listed}. Fix the "
+             "shapes as described, or use implementation='xla'.")
+  if backend.checks is not None:
+    other = "gpu" if backend.checks.platforms == ("tpu",) else "tpu"
+    message += (f" (Interpret mode applies the {name} kernel's rules, so that the CPU "
+                f"declines what the accelerator would; interpret='{other}' applies the "
+                f"{backend_interpret.TARGETS[other].name} kernel's.)")
+  return message
 
 
 def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[..., Any],
@@ -186,10 +195,11 @@ def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[...,
   if implementation == "xla":
     return run_xla
   if interpret is not None and interpret is not False:
-    return on(backend_lib.interpret_backend(interpret), fallback=False)
+    return on(backend_interpret.for_option(interpret), fallback=False)
   strict = implementation == "pallas"
   if strict:
-    default = on(backend_lib.INTERPRET, fallback=False) if interpret is None else no_compiled_backend
+    default = (on(backend_interpret.for_option(None), fallback=False) if interpret is None
+               else no_compiled_backend)
   else:
     default = run_xla
   triton = on(backend_triton.TRITON, fallback=not strict)

@@ -107,8 +107,10 @@ def iterate(
       CPU), "pallas" (the kernel; interpret mode on CPU; an error, never a
       silent fallback, if it cannot run) or "xla".
     interpret: run the kernel in Pallas interpret mode. None: only where no
-      compiled backend exists (CPU). A `pltpu.InterpretParams()` interprets
-      with TPU semantics.
+      compiled backend exists (CPU). Interpret mode applies a target's rules
+      (declines what its kernel declines, evaluates the step as it does):
+      True or "tpu" the TPU's, "gpu" the GPU's; a `pltpu.InterpretParams()`
+      interprets with TPU semantics under the TPU's rules.
     block_rows: rows per kernel tile (default chosen per backend: at least
       256 tiles of 16 to 64 rows with Triton, at least 4 tiles of 128 to
       1024 rows on TPU, 32 in interpret mode; `pallas_loop.tuning` times the

@@ -10,6 +10,7 @@ from jax import tree_util
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_loop._src import backend_interpret
 from pallas_loop._src.operands import Halting, Tiling
 from pallas_loop._src.schedule import SCHEDULES
 
@@ -180,6 +181,7 @@ def check_options(step: Any, implementation: Any, interpret: Any, block_rows: An
                     f"{type(step).__name__}.")
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}.")
+  backend_interpret.check_option(interpret)
   if implementation == "xla" and interpret not in (None, False):
     raise ValueError("interpret= applies to the Pallas kernel; it has no "
                      "meaning with implementation='xla'.")

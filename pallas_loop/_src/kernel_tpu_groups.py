@@ -332,6 +332,7 @@ def _kernel(active_ref, trips_ref, *refs, plan: GroupPlan, trees, n_ops, elems_p
                                         on_chip=True, sliced=plan.sliced)
   params = tree_util.tree_unflatten(params_tree, shared[:n_params])
   consts = shared[n_params:]
+  assert plan.config is not None, plan.problems
   rules = plan.config.eval_rules
   for src, dst in zip(h_refs, out_refs):
     dst[...] = src[...]

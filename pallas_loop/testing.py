@@ -738,8 +738,10 @@ def check_compiles(
       return run
 
     def vjp(p: Any, h: Any, x_: Any) -> Any:
+      # The value and its gradient, as a training step needs both (a
+      # gradient alone may leave a forward kernel out of the module).
       out, back = jax.vjp(run, p, h, x_)
-      return back(_cotangent(out, 0))
+      return out, back(_cotangent(out, 0))
     return vjp
 
   lines: list[CompileLine] = []

@@ -28,6 +28,7 @@ from pallas_loop._src import dispatch
 from pallas_loop._src import notices
 from pallas_loop._src import footprint as footprint_lib
 from pallas_loop._src import jaxpr_eval
+from pallas_loop._src import kernel_tpu_groups
 from pallas_loop._src import backend_mosaic_tpu
 from pallas_loop._src import backend_triton
 from pallas_loop._src import xla_backward
@@ -97,9 +98,12 @@ def _plans(block, d, dtype, *, grad, implementation=None, batch=4096, platform="
            hoist=True, block_rows=None):
   """The plans the rules make for a block, traced by exporting for `platform`."""
   options = {}
+  # Flax's and Equinox's layers promote bfloat16 with float32 themselves.
+  promotion = "standard" if block in compile_check.ATTENTION else "strict"
   if block in compile_check.ATTENTION:
-    step, params, h0, x, options = attention.make(compile_check.ATTENTION[block], batch, d,
-                                                  jnp.dtype(dtype))
+    with jax.numpy_dtype_promotion(promotion):
+      step, params, h0, x, options = attention.make(compile_check.ATTENTION[block], batch, d,
+                                                    jnp.dtype(dtype))
   else:
     step, params, h0, x = blocks.make(block, batch, d, jnp.dtype(dtype))
   n = jnp.arange(batch, dtype=jnp.int32) % (MAX_ITERS + 1)
@@ -109,10 +113,12 @@ def _plans(block, d, dtype, *, grad, implementation=None, batch=4096, platform="
   if implementation == "pallas":
     run = functools.partial(run, interpret=False)
   forward = lambda p, h, x_, n_: run(p, h, x_, iters=n_)
-  f = jax.grad(lambda *a: cases.tree_sum(forward(*a))) if grad else forward
+  # The loss and its gradient, as a training step needs them: a gradient
+  # alone does not need the forward's output, and the forward kernel of a
+  # loop that tracks nothing per row is then left out (the TPU's group
+  # kernel), so a plan of it would not be lowered.
+  f = jax.value_and_grad(lambda *a: cases.tree_sum(forward(*a))) if grad else forward
   backend = "triton" if platform == "cuda" else "mosaic_tpu"
-  # Flax's and Equinox's layers promote bfloat16 with float32 themselves.
-  promotion = "standard" if block in compile_check.ATTENTION else "strict"
   with dispatch.observe_plans() as seen, warnings.catch_warnings(record=True) as caught, \
        jax.numpy_dtype_promotion(promotion):
     warnings.simplefilter("always")
@@ -343,22 +349,36 @@ def test_mosaic_default_tiles():
 
 
 def test_mosaic_halves_a_default_tile_too_tall_for_vmem():
-  """A default tile needing over twice the default scoped VMEM is halved
-  (the transformer at D=64: 1024 rows need ~99 MB); a tile the caller chose
-  is kept, with the limit raised."""
-  default_limit = backend_mosaic_tpu.vmem("TPU v5 lite")[0]
+  """The backward's tile kernel: a default tile needing over twice the
+  default scoped VMEM is halved (the transformer at D=64: 1024 rows need ~99
+  MB); a tile the caller chose is kept, with the limit raised. The forward's
+  group kernel: a default chunk whose step does not fit is halved, and its
+  group fills what VMEM a kernel may ask for."""
+  default_limit, physical = backend_mosaic_tpu.vmem("TPU v5 lite")
   plans, _, _ = _plans("transformer", 64, "bfloat16", grad=True, platform="tpu")
-  for p in plans.values():
-    assert p.config is not None
-    assert 128 <= p.config.block_rows < 1024
-    assert p.config.estimate["vmem_bytes"] <= 2 * default_limit
+  assert isinstance(plans["forward"], kernel_tpu_groups.GroupPlan)
+  assert plans["forward"].config is not None
+  assert 128 <= plans["forward"].chunk_rows < kernel_tpu_groups.LARGEST_CHUNK
+  assert plans["forward"].config.estimate["vmem_bytes"] <= physical * 7 // 8
+  bwd = plans["backward"]
+  assert bwd.config is not None and 128 <= bwd.config.block_rows < 1024
+  assert bwd.config.estimate["vmem_bytes"] <= 2 * default_limit
+  plans, _, _ = _plans("transformer", 64, "bfloat16", grad=False, platform="tpu",
+                       block_rows=512)
+  assert plans["forward"].config.block_rows == 512
+  assert plans["forward"].config.compiler_params.vmem_limit_bytes > 2 * default_limit
+  # 1024 rows chosen do not fit beside their step's values: declined, with
+  # what to do said.
   plans, _, _ = _plans("transformer", 64, "bfloat16", grad=False, platform="tpu",
                        block_rows=1024)
-  assert plans["forward"].config.block_rows == 1024
-  assert plans["forward"].config.compiler_params.vmem_limit_bytes > 2 * default_limit
-  # The D=128 blocks the v5e timed keep their 1024-row tiles.
+  assert plans["forward"].config is None
+  (problem,) = plans["forward"].problems
+  assert "a smaller block_rows may fit" in problem
+  # The D=128 blocks the v5e timed keep their 1024-row backward tiles and
+  # 2048-row forward chunks.
   plans, _, _ = _plans("gru", 128, "bfloat16", grad=True, platform="tpu")
-  assert {p.config.block_rows for p in plans.values()} == {1024}
+  assert plans["backward"].config.block_rows == 1024
+  assert plans["forward"].config.block_rows == kernel_tpu_groups.LARGEST_CHUNK
 
 
 def test_mosaic_raises_the_vmem_limit_where_the_blocks_need_it():
@@ -493,7 +513,7 @@ def test_mosaic_declines_a_16_bit_scalar_computed_in_the_kernel():
   loss = lambda p, h: cases.tree_sum(pallas_loop.iterate(step, p, h, h0, max_iters=3))
   with dispatch.observe_plans() as seen, warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    text = lowering.export_text(jax.grad(loss), params, h0, platform="tpu")
+    text = lowering.export_text(jax.value_and_grad(loss), params, h0, platform="tpu")
   plans = {what: p for what, name, p in seen if name == "mosaic_tpu"}
   (problem,) = plans["forward"].problems
   assert "a shared operand is a bfloat16 scalar" in problem
@@ -505,5 +525,5 @@ def test_mosaic_declines_a_16_bit_scalar_computed_in_the_kernel():
   f32 = lambda a: a.astype(jnp.float32)
   step32 = lambda p, h, x: (jnp.tanh(f32(h) * p[0] + f32(x)) / jnp.sqrt(16.0)).astype(h.dtype)
   loss = lambda p, h: cases.tree_sum(pallas_loop.iterate(step32, p, h, h0, max_iters=3))
-  text = lowering.export_text(jax.grad(loss), params, h0, platform="tpu")
+  text = lowering.export_text(jax.value_and_grad(loss), params, h0, platform="tpu")
   assert text.count(lowering.kernel_marker("tpu")) == 2

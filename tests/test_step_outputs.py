@@ -170,15 +170,17 @@ def test_with_key_index_and_per_example(impl):
 
 @pytest.mark.parametrize("mode", ["full", "truncated"])
 def test_kernel_gradients_with_the_step_index(mode):
-  """Untied per-step weights (`params[index]`) with per-step outputs: the
-  backward kernel's windows run on one clock and read each step's output
-  cotangent at that step's slot."""
+  """A step that depends on its index, with per-step outputs: the backward
+  kernel's windows run on one clock and read each step's output cotangent at
+  that step's slot. (The weights are scaled by the index rather than indexed
+  by it: the TPU's backward kernel declines `params[index]`'s gradient, a
+  dynamic_update_slice, and interpret mode applies its rules.)"""
   def step(w, h, x, *, index):
-    h_new = jnp.tanh(h @ w[index] + x)
+    h_new = jnp.tanh(h @ (w * (1.0 + 0.05 * index.astype(w.dtype))) + x)
     return h_new, {"pred": jnp.sum(h_new, axis=-1), "first": h_new[:, :2]}
 
   k = jax.random.split(jax.random.key(10), 3)
-  w = 0.6 * jax.random.normal(k[0], (T, D, D)) / np.sqrt(D)
+  w = 0.6 * jax.random.normal(k[0], (D, D)) / np.sqrt(D)
   h0, x = jax.random.normal(k[1], (B, D)), jax.random.normal(k[2], (B, D))
   n = cases.counts("ragged", B, T, seed=11)
   grad_mode, extra = ("full", {}) if mode == "full" else (pallas_loop.Truncated(2),

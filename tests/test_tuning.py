@@ -12,6 +12,7 @@ from benchmarks import blocks
 from benchmarks import cases
 from benchmarks import harness
 from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import backend_interpret
 from pallas_loop._src import backend_mosaic_tpu
 from pallas_loop._src import backend_triton
 from pallas_loop import tuning
@@ -63,11 +64,13 @@ def test_tune_block_rows_times_every_candidate():
 
 def test_tune_block_rows_reports_rejected_candidates(monkeypatch):
   """A tile the backend's rules reject is reported with the reason."""
+  # Interpret mode (the TPU's rules: `backend_interpret.ON_TPU`) made to
+  # reject short tiles.
   strict = dataclasses.replace(
-      backend_lib.INTERPRET,
+      backend_interpret.ON_TPU,
       block_problems=lambda blocks: ["fewer than 16 rows"] if blocks[0].block_shape[0] < 16
       else [])
-  monkeypatch.setattr(backend_lib, "INTERPRET", strict)
+  monkeypatch.setattr(backend_interpret, "ON_TPU", strict)
   step, params, h0, x, n = _workload()
   result = tuning.tune_block_rows(step, params, h0, x, iters=n, max_iters=6,
                                   candidates=(8, 16), repeats=1)

@@ -266,8 +266,10 @@ def _configure(backend, fp, batch, chunk, h0, x, shared_avals):
   # Headroom over the estimate for Mosaic's own scratch (the row blocks are
   # exactly what the pipeline allocates; the temporaries are an allowance).
   limit = min(cap, -(-(need + need // 4) // backend_mosaic_tpu.MIB) * backend_mosaic_tpu.MIB)
+  # The default scoped limit is kept where it is enough (as the tile kernel
+  # does): no limit is asked for then.
   params = pltpu.CompilerParams(dimension_semantics=("parallel",),
-                                vmem_limit_bytes=max(limit, default))
+                                vmem_limit_bytes=None if limit <= default else limit)
   return backend_lib.KernelConfig(
       block_rows=chunk, compiler_params=params, eval_rules=jaxpr_eval.MOSAIC,
       estimate={"vmem_bytes": need, "vmem_limit_bytes": max(limit, default),

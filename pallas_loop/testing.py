@@ -38,9 +38,11 @@ import numpy as np
 import pallas_loop._reference as reference
 from pallas_loop._src import iterate as iterate_lib
 from pallas_loop._src import grad_modes
+from pallas_loop._src import options as options_lib
 from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src import tiling
 from pallas_loop._src import validation
+from pallas_loop._src.options import Options
 
 __all__ = [
     "Comparison",
@@ -62,8 +64,9 @@ _TOLERANCES = {
     np.dtype(jnp.bfloat16): (5e-2, 1e-2),
 }
 
-# Options of `iterate` that only concern how it runs: never given to the reference.
-_ITERATE_ONLY = ("implementation", "interpret", "block_rows", "sort_rows", "grad")
+# Keywords of `iterate` never given to the reference (besides `options`, how
+# it runs): the reference takes the gradient mode's own arguments instead.
+_ITERATE_ONLY = ("grad",)
 _MAX_LISTED = 5  # rows / indices listed in a message before "..."
 
 
@@ -244,7 +247,8 @@ def check_against_reference(
     atol: float | None = None,
     grads: bool = True,
     seed: int = 0,
-    **options: Any,
+    options: Options | None = None,
+    **kwargs: Any,
 ) -> ReferenceCheck:
   """Runs `pallas_loop.iterate` and the oracle on your inputs and compares.
 
@@ -259,10 +263,9 @@ def check_against_reference(
   elementwise with dtype-aware tolerances (`default_tolerance`); a NaN
   matches a NaN.
 
-  Options are split by who understands them: `implementation`, `interpret`,
-  `block_rows`, `sort_rows` and `grad` go only to `iterate`; `tol`, `halt`,
-  `min_iters` (and any other keyword the oracle accepts, such as `key`) go
-  to both. Gradients are compared for the exact modes:
+  Keywords are split by who understands them: `options` and `grad` go only
+  to `iterate`; `tol`, `halt`, `min_iters` (and any other keyword the oracle
+  accepts, such as `key`) go to both. Gradients are compared for the exact modes:
   `grad="full"` (the default), `Full(...)`, and `Truncated(k)` (against the
   reference's `stop_gradient` truncation); `Implicit` and `Phantom`
   approximate the gradient on purpose and the reference has no counterpart,
@@ -281,10 +284,13 @@ def check_against_reference(
     atol: overrides the per-dtype absolute tolerance likewise.
     grads: compare gradients too (default True).
     seed: seeds the random cotangent.
-    **options: keyword options of `iterate`. Default
-      `implementation="pallas"`: the kernel, in interpret mode on CPU (pass
-      `implementation="xla"` to check the XLA loop, or `interpret=False` on
-      a GPU/TPU to check the compiled kernel).
+    options: how `iterate` runs, a `pallas_loop.Options`, forwarded whole.
+      None (the default): `Options(implementation="pallas")`, the kernel, in
+      interpret mode on CPU (pass `Options(implementation="xla")` to check
+      the XLA loop, or `Options(implementation="pallas", interpret=False)`
+      on a GPU/TPU to check the compiled kernel).
+    **kwargs: further keywords of `iterate` (`tol`, `halt`, `min_iters`,
+      `key`, `grad`, `step_index`, ...).
 
   Returns:
     A `ReferenceCheck` holding every leaf's `Comparison` (max abs/rel error);
@@ -309,24 +315,27 @@ def check_against_reference(
     >>> print(report)                 # doctest: +ELLIPSIS
     output h (float32[16, 8]): ok; max abs err ...
   """
-  if "return_info" in options:
+  if "return_info" in kwargs:
     raise TypeError("check_against_reference sets return_info itself; do not pass it.")
+  options_lib.reject_keywords(
+      "check_against_reference", {k: v for k, v in kwargs.items() if k in options_lib.FIELDS})
+  options = (Options(implementation="pallas") if options is None
+             else options_lib.check_options(options))
   ref_accepts = set(inspect.signature(reference.iterate).parameters)
-  iterate_accepts = set(inspect.signature(iterate_lib.iterate).parameters)
-  unknown = sorted(set(options) - ref_accepts - iterate_accepts)
+  iterate_accepts = set(inspect.signature(iterate_lib.iterate).parameters) - {"kwargs"}
+  unknown = sorted(set(kwargs) - ref_accepts - iterate_accepts)
   if unknown:
-    raise TypeError(f"unknown options {unknown}: neither pallas_loop.iterate nor "
+    raise TypeError(f"unknown keywords {unknown}: neither pallas_loop.iterate nor "
                     "reference.iterate takes them.")
-  options = {"implementation": "pallas", **options}
-  shared = {k: v for k, v in options.items()
+  shared = {k: v for k, v in kwargs.items()
             if k in ref_accepts and k not in _ITERATE_ONLY}
   # Gradients are compared where the reference computes the same ones ("full",
   # or Truncated(k) by stop_gradient): the mode says with which arguments.
-  reference_grad = grad_modes.as_mode(options.get("grad", "full")).reference_grad()
+  reference_grad = grad_modes.as_mode(kwargs.get("grad", "full")).reference_grad()
   if reference_grad is not None:
     shared.update(reference_grad)
   compare_grads = grads and reference_grad is not None
-  halting = options.get("tol") is not None or options.get("halt") is not None
+  halting = kwargs.get("tol") is not None or kwargs.get("halt") is not None
 
   def with_info(result: tuple) -> tuple[Any, Any]:
     # (h, info), or (h, ys, info) with per-step outputs: ((h, ys), info).
@@ -335,7 +344,7 @@ def check_against_reference(
 
   def impl(p: Any, h: Any, x_: Any) -> Any:
     return with_info(iterate_lib.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
-                                         return_info=True, **options))
+                                         return_info=True, options=options, **kwargs))
 
   def ref(p: Any, h: Any, x_: Any) -> Any:
     return with_info(reference.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
@@ -367,7 +376,8 @@ def check_against_reference(
   report = ReferenceCheck(tuple(comparisons), compare_grads)
   failed = [c for c in comparisons if not c.ok]
   if failed:
-    chosen = ", ".join(f"{k}={v!r}" for k, v in options.items() if k in _ITERATE_ONLY)
+    chosen = ", ".join([f"options={options!r}"]
+                       + [f"{k}={v!r}" for k, v in kwargs.items() if k in _ITERATE_ONLY])
     raise AssertionError(
         f"pallas_loop.iterate ({chosen}) differs from reference.iterate:\n  "
         + "\n  ".join(c.describe() for c in failed)
@@ -391,8 +401,8 @@ def poisoned_padding() -> Iterator[None]:
     >>> import jax.numpy as jnp, pallas_loop
     >>> with pallas_loop.testing.poisoned_padding():
     ...   h = pallas_loop.iterate(lambda p, h, x: h + 1, None, jnp.zeros((5, 2)),
-    ...                           max_iters=2, implementation="pallas",
-    ...                           block_rows=8)
+    ...                           max_iters=2, options=pallas_loop.Options(
+    ...                               implementation="pallas", block_rows=8))
     >>> bool(jnp.all(h == 2))
     True
   """

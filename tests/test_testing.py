@@ -164,7 +164,7 @@ def test_options_are_routed_and_checked():
   step, params, h0, x = _problem("tanh_rnn")
   run = functools.partial(testing.check_against_reference, step, params, h0, x,
                           iters=COUNTS, max_iters=MAX_ITERS, implementation="xla")
-  with pytest.raises(TypeError, match="unknown options \\['blockrows'\\]"):
+  with pytest.raises(TypeError, match="unknown keywords \\['blockrows'\\]"):
     run(blockrows=8)
   with pytest.raises(TypeError, match="return_info"):
     run(return_info=True)

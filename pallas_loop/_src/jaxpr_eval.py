@@ -57,7 +57,7 @@ class Rules:
       float32.
     approx_tanh: with `fast_math`, float32 tanh by `tanh.approx.f32`; set
       per call by `for_state` (from the state's dtypes, or from
-      `iterate(approx_tanh=...)`), never by a backend.
+      `Options.approx_tanh`), never by a backend.
     emulate_fast_math: `fast_math` in jnp, for interpret mode (no PTX).
   """
 

@@ -121,10 +121,15 @@ def _tuner_candidates() -> tuple[int, ...]:
 
 
 def iterate_takes(keyword: str) -> bool:
-  """Whether this checkout's `pallas_loop.iterate` has the keyword argument."""
+  """Whether this checkout's `pallas_loop.iterate` takes the option: a field of
+  `pallas_loop.Options`, or (a checkout from before `Options`) a keyword argument."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
   import inspect  # pylint: disable=g-import-not-at-top
 
   import pallas_loop  # pylint: disable=g-import-not-at-top
+  options = getattr(pallas_loop, "Options", None)
+  if options is not None and keyword in {f.name for f in dataclasses.fields(options)}:
+    return True
   return keyword in inspect.signature(pallas_loop.iterate).parameters
 
 
@@ -250,18 +255,24 @@ def _function(case: Case, implementation: str | None = None):
 
   step, params, h0, x = blocks.make(case.block, BATCH, case.d, jnp.dtype(case.dtype))
   n = jnp.arange(BATCH, dtype=jnp.int32) % (MAX_ITERS + 1)
-  kw: dict[str, Any] = dict(max_iters=MAX_ITERS, grad=_grad_mode(case.mode),
-                            block_rows=case.block_rows, implementation=implementation)
+  kw: dict[str, Any] = dict(max_iters=MAX_ITERS, grad=_grad_mode(case.mode))
+  # How to run: one pallas_loop.Options (keywords of iterate in a checkout
+  # from before it, which this script also measures).
+  how: dict[str, Any] = dict(block_rows=case.block_rows, implementation=implementation)
   if implementation == "pallas":
-    kw["interpret"] = False
+    how["interpret"] = False
   if case.tol:
     kw["tol"] = 1e-3
   if case.block == "untied_rnn":
     kw["step_index"] = True
   if case.hoist is not None:
-    kw["hoist"] = case.hoist
+    how["hoist"] = case.hoist
   if case.schedule is not None:
-    kw["schedule"] = case.schedule
+    how["schedule"] = case.schedule
+  if hasattr(pallas_loop, "Options"):
+    kw["options"] = pallas_loop.Options(**how)
+  else:
+    kw.update(how)
   if case.outputs:
     # PonderNet's shape of output: a prediction per row and step (the
     # state's first leaf) and a halting logit (a per-row scalar).

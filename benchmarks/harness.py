@@ -7,9 +7,10 @@ same inputs, so the printed figures are ratios within one run:
                 (what the user's second question does; every row pays max_iters)
   vmap_while    jax.vmap of a per-row lax.while_loop (pays for the slowest row;
                 no reverse-mode gradient)
-  xla           pallas_loop.iterate(implementation="xla")
-  pallas        pallas_loop.iterate(implementation="pallas") (interpret mode on
-                CPU: a correctness vehicle there, not a speed claim)
+  xla           pallas_loop.iterate(options=Options(implementation="xla"))
+  pallas        pallas_loop.iterate(options=Options(implementation="pallas"))
+                (interpret mode on CPU: a correctness vehicle there, not a
+                speed claim)
 
 Per case: median time, speedup vs the masked scan and vs vmap(while_loop),
 the ideal speedup, the fraction of it achieved, and the work efficiency
@@ -90,8 +91,10 @@ def vmap_while(step, params, h0, x, *, iters, max_iters, tol=None):
 IMPLEMENTATIONS: dict[str, Callable] = {
     "masked_scan": reference.iterate,
     "vmap_while": vmap_while,
-    "xla": lambda *a, **k: pallas_loop.iterate(*a, implementation="xla", **k),
-    "pallas": lambda *a, **k: pallas_loop.iterate(*a, implementation="pallas", **k),
+    "xla": lambda *a, **k: pallas_loop.iterate(
+        *a, **k, options=pallas_loop.Options(implementation="xla")),
+    "pallas": lambda *a, **k: pallas_loop.iterate(
+        *a, **k, options=pallas_loop.Options(implementation="pallas")),
 }
 
 

@@ -95,10 +95,11 @@ def _plans(block, d, dtype, *, grad, implementation=None, batch=4096, platform="
   """The plans the rules make for a block, traced by exporting for `platform`."""
   step, params, h0, x = blocks.make(block, batch, d, jnp.dtype(dtype))
   n = jnp.arange(batch, dtype=jnp.int32) % (MAX_ITERS + 1)
-  run = functools.partial(pallas_loop.iterate, step, max_iters=MAX_ITERS,
-                          implementation=implementation, hoist=hoist, block_rows=block_rows)
-  if implementation == "pallas":
-    run = functools.partial(run, interpret=False)
+  # The kernel compiled for `platform` (not interpreted) where it is asked for.
+  interpret = False if implementation == "pallas" else None
+  options = pallas_loop.Options(implementation=implementation, interpret=interpret,
+                                hoist=hoist, block_rows=block_rows)
+  run = functools.partial(pallas_loop.iterate, step, max_iters=MAX_ITERS, options=options)
   forward = lambda p, h, x_, n_: run(p, h, x_, iters=n_)
   f = jax.grad(lambda *a: cases.tree_sum(forward(*a))) if grad else forward
   backend = "triton" if platform == "cuda" else "mosaic_tpu"
@@ -224,8 +225,9 @@ def test_re_read_and_split_weights_match_the_reference(re_read_interpret, block)
   del re_read_interpret
   step, params, h0, x = blocks.make(block, 19, 32)
   n = cases.counts("ragged", 19, MAX_ITERS)
-  run = functools.partial(pallas_loop.iterate, implementation="pallas", interpret=True,
-                          block_rows=8)
+  run = functools.partial(pallas_loop.iterate,
+                          options=pallas_loop.Options(implementation="pallas", interpret=True,
+                                                      block_rows=8))
   loss = lambda it, p, h, x_: cases.tree_sum(it(step, p, h, x_, iters=n, max_iters=MAX_ITERS))
   got = jax.value_and_grad(functools.partial(loss, run), argnums=(0, 1, 2))(params, h0, x)
   want = jax.value_and_grad(functools.partial(loss, reference.iterate),
@@ -355,8 +357,8 @@ def test_mosaic_merges_leading_contractions_and_matches_the_reference():
   # of [TB, S, D] values: the TPU rules compute them as 2-D dots.
   step, params, h0, x = blocks.make("transformer", 11, 16)
   n = cases.counts("ragged", 11, MAX_ITERS)
-  run = functools.partial(pallas_loop.iterate, block_rows=8,
-                          **cases.IMPLEMENTATIONS["pallas_tpu_interpret"])
+  options = cases.IMPLEMENTATIONS["pallas_tpu_interpret"].replace(block_rows=8)
+  run = functools.partial(pallas_loop.iterate, options=options)
   loss = lambda it, p: cases.tree_sum(it(step, p, h0, x, iters=n, max_iters=MAX_ITERS))
   got = jax.grad(functools.partial(loss, run))(params)
   want = jax.grad(functools.partial(loss, reference.iterate))(params)

@@ -29,9 +29,9 @@ def _problem(name, batch=B, dtype=jnp.float32):
 def test_good_block_passes(block, implementation):
   step, params, h0, x = _problem(block)
   testing.check_row_independence(step, params, h0, x)
+  options = pallas_loop.Options(implementation=implementation, block_rows=8)
   report = testing.check_against_reference(step, params, h0, x, iters=COUNTS,
-                                           max_iters=MAX_ITERS, block_rows=8,
-                                           implementation=implementation)
+                                           max_iters=MAX_ITERS, options=options)
   assert report.gradients_compared
   names = [c.name for c in report.comparisons]
   n_state = len(jax.tree.leaves(h0))
@@ -105,11 +105,11 @@ def test_detects_forward_difference_names_leaf_and_row(monkeypatch):
   monkeypatch.setattr(testing.iterate_lib, "iterate", _corrupt_row(1, 6, 0.5))
   with pytest.raises(AssertionError) as e:
     testing.check_against_reference(step, params, h0, x, iters=COUNTS, max_iters=MAX_ITERS,
-                                    implementation="xla", grads=False)
+                                    grads=False, options=pallas_loop.Options(implementation="xla"))
   msg = str(e.value)
   assert "output h[1] (float32[11, 8]): 1 of 11 rows differ (rows 6)" in msg, msg
   assert "max abs err 0.5" in msg and "output h[0]" not in msg, msg
-  assert "implementation='xla'" in msg
+  assert "options=Options(implementation='xla')" in msg
 
 
 def test_detects_gradient_difference(monkeypatch):
@@ -117,7 +117,7 @@ def test_detects_gradient_difference(monkeypatch):
   monkeypatch.setattr(testing.iterate_lib, "iterate", _corrupt_h0_gradient())
   with pytest.raises(AssertionError) as e:
     testing.check_against_reference(step, params, h0, x, iters=COUNTS, max_iters=MAX_ITERS,
-                                    implementation="xla")
+                                    options=pallas_loop.Options(implementation="xla"))
   msg = str(e.value)
   # Both state leaves (h, c) get the doubled cotangent at row 3; nothing else differs.
   assert re.search(r"gradient w\.r\.t\. h0\[0\] .*: 1 of 11 rows differ \(rows 3\)", msg), msg
@@ -135,11 +135,11 @@ def test_detects_a_block_that_mixes_rows_in_the_kernel():
   mixing = lambda p, h, x_: step(p, h - jnp.mean(h, axis=0), x_)
   with pytest.raises(ValueError, match=r"^step reduces over the row axis"):
     testing.check_against_reference(mixing, params, h0, x, iters=COUNTS,
-                                    max_iters=MAX_ITERS, block_rows=8)
+                                    max_iters=MAX_ITERS, options=pallas_loop.Options(block_rows=8))
   hidden = lambda p, h, x_: step(p, jnp.zeros_like(h).at[jnp.arange(h.shape[0])[::-1]].set(h), x_)
   with pytest.raises(AssertionError, match=r"output h \(float32\[11, 8\]\): \d+ of 11 rows differ"):
     testing.check_against_reference(hidden, params, h0, x, iters=COUNTS,
-                                    max_iters=MAX_ITERS, block_rows=8)
+                                    max_iters=MAX_ITERS, options=pallas_loop.Options(block_rows=8))
 
 
 def test_parameter_gradient_reports_element_indices(monkeypatch):
@@ -155,7 +155,7 @@ def test_parameter_gradient_reports_element_indices(monkeypatch):
       lambda s, p, *a, **kw: real(s, (bump(p[0]),) + p[1:], *a, **kw)))
   with pytest.raises(AssertionError) as e:
     testing.check_against_reference(step, params, h0, x, iters=COUNTS, max_iters=MAX_ITERS,
-                                    implementation="xla")
+                                    options=pallas_loop.Options(implementation="xla"))
   assert "gradient w.r.t. params[0] (float32[8, 8]): 1 of 64 elements differ (elements (2, 5))" \
       in str(e.value), str(e.value)
 
@@ -163,7 +163,8 @@ def test_parameter_gradient_reports_element_indices(monkeypatch):
 def test_options_are_routed_and_checked():
   step, params, h0, x = _problem("tanh_rnn")
   run = functools.partial(testing.check_against_reference, step, params, h0, x,
-                          iters=COUNTS, max_iters=MAX_ITERS, implementation="xla")
+                          iters=COUNTS, max_iters=MAX_ITERS,
+                          options=pallas_loop.Options(implementation="xla"))
   with pytest.raises(TypeError, match="unknown keywords \\['blockrows'\\]"):
     run(blockrows=8)
   with pytest.raises(TypeError, match="return_info"):
@@ -241,12 +242,12 @@ def test_gradient_modes_are_compared_where_exact():
   step, params, h0, x = blocks.make("tanh_rnn", 12, 16)
   n = jnp.arange(12) % 6
   report = pallas_loop.testing.check_against_reference(
-      step, params, h0, x, iters=n, max_iters=5, implementation="xla",
-      grad=pallas_loop.Truncated(2))
+      step, params, h0, x, iters=n, max_iters=5,
+      grad=pallas_loop.Truncated(2), options=pallas_loop.Options(implementation="xla"))
   assert report.gradients_compared
   report = pallas_loop.testing.check_against_reference(
-      step, params, h0, x, iters=n, max_iters=5, implementation="xla",
-      grad=pallas_loop.Phantom(2))
+      step, params, h0, x, iters=n, max_iters=5,
+      grad=pallas_loop.Phantom(2), options=pallas_loop.Options(implementation="xla"))
   assert not report.gradients_compared
 
 

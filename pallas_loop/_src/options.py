@@ -105,10 +105,12 @@ class Options:
     block_rows = self.block_rows
     if block_rows is not None:
       try:
+        if isinstance(block_rows, bool):  # an int to operator.index
+          raise TypeError
         block_rows = operator.index(block_rows)
       except TypeError:
         raise TypeError(f"{block_rows=} must be a positive int or None.") from None
-      if isinstance(block_rows, bool) or block_rows < 1:
+      if block_rows < 1:
         raise ValueError(f"{block_rows=} must be a positive int or None.")
       # A NumPy integer becomes a Python int: equal Options hash alike.
       object.__setattr__(self, "block_rows", int(block_rows))

@@ -124,8 +124,8 @@ def iterate(
     options: how to run it, a `pallas_loop.Options` (None: `Options()`):
       the implementation (auto, "pallas" or "xla"), interpret mode, rows
       per kernel tile, row sorting, the GPU schedule, hoisting of the
-      step's state-independent part and the GPU kernels' tanh. Results do
-      not depend on it; see `Options` for each field.
+      step's state-independent part and the GPU kernels' tanh. See
+      `Options` for each field.
     **kwargs: nothing else is taken; the how-to-run keywords of earlier
       versions (`implementation=`, `block_rows=`, ...) raise a TypeError
       that shows their spelling with `options=`.

@@ -24,13 +24,13 @@ IMPLEMENTATIONS = (None, "pallas", "xla")
 class Options:
   """How `pallas_loop.iterate` runs: implementation, tiling, kernel details.
 
-  Results do not depend on these choices beyond rounding (the tests hold
-  every combination to the reference); they choose speed and where the
-  work runs. Every field has the default `iterate` uses, each is checked
-  when the `Options` is built (a bad value fails there, naming the field),
-  and the value is frozen and hashable, so it can be a static argument of
-  `jax.jit`. `options.replace(block_rows=64)` makes a changed copy (checked
-  again).
+  The fields choose speed and where the work runs, not what is computed:
+  results agree to rounding across them (the tests hold each to the
+  reference), except that `approx_tanh` picks a GPU `tanh` of bounded error.
+  Every field has the default `iterate` uses and is checked when the
+  `Options` is built (a bad value fails there, naming the field). The value
+  is frozen and hashable, so it can be a static argument of `jax.jit`;
+  `options.replace(block_rows=64)` makes a changed copy (checked again).
 
   Attributes:
     implementation: None (auto: the Pallas kernel on GPU/TPU when the step

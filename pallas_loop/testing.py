@@ -284,11 +284,12 @@ def check_against_reference(
     atol: overrides the per-dtype absolute tolerance likewise.
     grads: compare gradients too (default True).
     seed: seeds the random cotangent.
-    options: how `iterate` runs, a `pallas_loop.Options`, forwarded whole.
-      None (the default): `Options(implementation="pallas")`, the kernel, in
-      interpret mode on CPU (pass `Options(implementation="xla")` to check
-      the XLA loop, or `Options(implementation="pallas", interpret=False)`
-      on a GPU/TPU to check the compiled kernel).
+    options: how `iterate` runs, a `pallas_loop.Options`, forwarded whole
+      and as given (its `implementation=None` is the automatic choice: XLA
+      on CPU). None (the default): `Options(implementation="pallas")`, the
+      kernel, in interpret mode on CPU (pass `Options(implementation="xla")`
+      to check the XLA loop, or `Options(implementation="pallas",
+      interpret=False)` on a GPU/TPU to check the compiled kernel).
     **kwargs: further keywords of `iterate` (`tol`, `halt`, `min_iters`,
       `key`, `grad`, `step_index`, ...).
 

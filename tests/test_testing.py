@@ -132,14 +132,15 @@ def test_detects_a_block_that_mixes_rows_in_the_kernel():
   a mixing that check cannot see (rows scattered to reversed positions) is
   right in the reference (whole batch), wrong on tiles, and caught here."""
   step, params, h0, x = _problem("tanh_rnn")
+  kernel = pallas_loop.Options(implementation="pallas", block_rows=8)
   mixing = lambda p, h, x_: step(p, h - jnp.mean(h, axis=0), x_)
   with pytest.raises(ValueError, match=r"^step reduces over the row axis"):
     testing.check_against_reference(mixing, params, h0, x, iters=COUNTS,
-                                    max_iters=MAX_ITERS, options=pallas_loop.Options(block_rows=8))
+                                    max_iters=MAX_ITERS, options=kernel)
   hidden = lambda p, h, x_: step(p, jnp.zeros_like(h).at[jnp.arange(h.shape[0])[::-1]].set(h), x_)
   with pytest.raises(AssertionError, match=r"output h \(float32\[11, 8\]\): \d+ of 11 rows differ"):
     testing.check_against_reference(hidden, params, h0, x, iters=COUNTS,
-                                    max_iters=MAX_ITERS, options=pallas_loop.Options(block_rows=8))
+                                    max_iters=MAX_ITERS, options=kernel)
 
 
 def test_parameter_gradient_reports_element_indices(monkeypatch):
@@ -179,6 +180,7 @@ def test_options_are_routed_and_checked():
 
 def test_row_independence_catches_batch_mean():
   step, params, h0, x = _problem("tanh_rnn")
+  kernel = pallas_loop.Options(implementation="pallas", block_rows=8)
   mixing = lambda p, h, x_: step(p, h - jnp.mean(h, axis=0), x_)
   with pytest.raises(AssertionError) as e:
     testing.check_row_independence(mixing, params, h0, x)

@@ -305,11 +305,11 @@ def fixed_point(
 
   Each row runs `solver` on the map until rms(f(h) - h) <= `tol` (then keeps
   f(h)) or `max_steps` map evaluations (then keeps f(h) at the h of smallest
-  residual seen), and stops costing compute when it
-  halts (one `iterate` call: the XLA loop, or the Pallas kernel with
-  `options=pallas_loop.Options(implementation="pallas")`). The gradient is chosen by `adjoint`; by
-  default the implicit gradient of f at the fixed point, whatever solver
-  found it. Rows that do not converge are reported by `on_failure`.
+  residual seen), and stops costing compute when it halts (one `iterate`
+  call: the XLA loop, or the Pallas kernel with
+  `options=pallas_loop.Options(implementation="pallas")`). The gradient is
+  chosen by `adjoint`; by default the implicit gradient of f at the fixed
+  point, whatever solver found it. Rows that do not converge are reported by `on_failure`.
 
   Args:
     f: the map `f(params, h, x) -> h`, written for a tile of rows like

@@ -6,9 +6,9 @@ a CPU machine must be able to export the GPU and TPU kernels. So the choice is
 a `lax.platform_dependent` whose branches are all traced but of which only the
 target platform's branch is lowered. A branch whose backend rules fail must
 not raise while tracing (it would break lowering for the other platforms), so
-it returns a placeholder primitive that raises (`Options.implementation`
-"pallas") or warns once and falls back to XLA (`implementation=None`) when,
-and only when, it is lowered.
+it returns a placeholder primitive that raises (`Options(implementation=
+"pallas")`) or warns once and falls back to XLA (`implementation=None`, the
+default) when, and only when, it is lowered.
 """
 
 from __future__ import annotations

@@ -194,7 +194,8 @@ def iterate(
 
   # The residual is only computed when it is returned.
   ctx = grad_modes.Context(
-      fn=fn, forward=dispatch.forward_fn(fn, options, residual=return_info, outputs=ys_avals),
+      fn=fn, forward=dispatch.forward_fn(fn, options, max_iters=max_iters,
+                                         residual=return_info, outputs=ys_avals),
       window=dispatch.window_fn(fn, options), max_iters=max_iters,
       iterate=functools.partial(iterate, options=options))
   loop = _differentiable(mode, ctx, step_fn_lib.avals(h0), ys_avals)

@@ -9,9 +9,9 @@ such models write it: a pre-norm encoder layer of Flax linen modules
 MLP: d_model 128, MLP 512, 4 heads, 8 tokens per example; `benchmarks/
 attention.py`) with a per-token halting unit (`nn.Dense(1)` and a sigmoid),
 driven by `pallas_loop.halting.act` (at most 8 steps, eps 0.01), B=4096
-examples. For float32 and bfloat16, with the default `implementation=None`
+examples. For float32 and bfloat16, with the default `Options(implementation=None)`
 (the kernel, or XLA with the one-time warning that says why) and with
-`implementation="pallas"` (the kernel, or the library's own error):
+`Options(implementation="pallas")` (the kernel, or the library's own error):
 
 * forward: ACT's output, ponder cost and steps against `reference.iterate`;
 * grad: `jax.grad` of a loss of the output and the ponder cost w.r.t. the
@@ -118,7 +118,7 @@ def check(dtype_name: str, implementation: str | None, what: str, batch: int, d:
   act, params, h0, x = ut_act(batch, d, dtype, heads=heads, tokens=tokens, mlp=mlp)
   kw = dict(max_iters=act.max_steps, halt=act.halt)
   run = lambda it, **extra: (lambda p: it(act.step, p, h0, x, **kw, **extra))
-  impl = {"implementation": implementation}
+  impl = {"options": pallas_loop.Options(implementation=implementation)}
   if what == "forward":
     ours, oracle = run(pallas_loop.iterate, **impl), run(reference.iterate)
   else:
@@ -138,7 +138,7 @@ def check(dtype_name: str, implementation: str | None, what: str, batch: int, d:
       record["error"] = f"{type(e).__name__}: {e}"[:3000]
       record["traceback"] = traceback.format_exc()[-3000:]
       record["ok"] = implementation == "pallas" and isinstance(e, ValueError) and (
-          "pallas_loop.iterate(implementation='pallas')" in str(e))
+          "pallas_loop.iterate(options=Options(implementation='pallas'))" in str(e))
       record["warnings"] = sorted({str(w.message)[:500] for w in caught
                                    if "pallas_loop" in str(w.message)})
       return record

@@ -131,10 +131,15 @@ def _tuner_candidates() -> tuple[int, ...]:
 
 
 def iterate_takes(keyword: str) -> bool:
-  """Whether this checkout's `pallas_loop.iterate` has the keyword argument."""
+  """Whether this checkout's `pallas_loop.iterate` takes the option: a field of
+  `pallas_loop.Options`, or (a checkout from before `Options`) a keyword argument."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
   import inspect  # pylint: disable=g-import-not-at-top
 
   import pallas_loop  # pylint: disable=g-import-not-at-top
+  options = getattr(pallas_loop, "Options", None)
+  if options is not None and keyword in {f.name for f in dataclasses.fields(options)}:
+    return True
   return keyword in inspect.signature(pallas_loop.iterate).parameters
 
 
@@ -268,26 +273,32 @@ def _function(case: Case, implementation: str | None = None):
   import pallas_loop  # pylint: disable=g-import-not-at-top
   from benchmarks import blocks  # pylint: disable=g-import-not-at-top
 
-  kw: dict[str, Any] = dict(max_iters=MAX_ITERS, grad=_grad_mode(case.mode),
-                            block_rows=case.block_rows, implementation=implementation)
+  kw: dict[str, Any] = dict(max_iters=MAX_ITERS, grad=_grad_mode(case.mode))
   if case.block in ATTENTION:
     from benchmarks import attention  # pylint: disable=g-import-not-at-top
-    step, params, h0, x, options = attention.make(
+    step, params, h0, x, style_kw = attention.make(
         ATTENTION[case.block], BATCH, case.d, jnp.dtype(case.dtype))
-    kw.update(options)
+    kw.update(style_kw)
   else:
     step, params, h0, x = blocks.make(case.block, BATCH, case.d, jnp.dtype(case.dtype))
   n = jnp.arange(BATCH, dtype=jnp.int32) % (MAX_ITERS + 1)
+  # How to run: one pallas_loop.Options (keywords of iterate in a checkout
+  # from before it, which this script also measures).
+  how: dict[str, Any] = dict(block_rows=case.block_rows, implementation=implementation)
   if implementation == "pallas":
-    kw["interpret"] = False
+    how["interpret"] = False
   if case.tol:
     kw["tol"] = 1e-3
   if case.block == "untied_rnn":
     kw["step_index"] = True
   if case.hoist is not None:
-    kw["hoist"] = case.hoist
+    how["hoist"] = case.hoist
   if case.schedule is not None:
-    kw["schedule"] = case.schedule
+    how["schedule"] = case.schedule
+  if hasattr(pallas_loop, "Options"):
+    kw["options"] = pallas_loop.Options(**how)
+  else:
+    kw.update(how)
   if case.outputs:
     # PonderNet's shape of output: a prediction per row and step (the
     # state's first leaf) and a halting logit (a per-row scalar).

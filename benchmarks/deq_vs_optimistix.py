@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_loop
 from pallas_loop import deq
 from pallas_loop import tuning
 
@@ -71,7 +72,8 @@ def ours(tol: float, max_steps: int):
     h0 = jnp.zeros((x.shape[0], params["w"].shape[0]))
     h, info = deq.fixed_point(layer, params, h0, x,
                               solver=deq.Anderson(m=5), tol=tol, max_steps=max_steps,
-                              on_failure="ignore", return_info=True, implementation="xla")
+                              on_failure="ignore", return_info=True,
+                              options=pallas_loop.Options(implementation="xla"))
     return h, info.steps, info.converged
 
   return solve

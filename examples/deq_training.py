@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import pallas_loop
 from pallas_loop import deq
 
 D, DX, DY = 32, 16, 4
@@ -63,7 +64,8 @@ def solve(params, x, solver, *, tol, max_steps, adjoint=None, implementation=Non
   """The DEQ's fixed point for each row of x, with its SolveInfo."""
   return deq.fixed_point(layer, params, jnp.zeros((x.shape[0], D)), x, solver=solver, tol=tol,
                          max_steps=max_steps, adjoint=adjoint, on_failure="ignore",
-                         return_info=True, implementation=implementation)
+                         return_info=True,
+                         options=pallas_loop.Options(implementation=implementation))
 
 
 def loss_fn(params, x, targets, solver, adjoint, tol, max_steps, implementation):

@@ -48,9 +48,11 @@ from pallas_loop._src import grad_modes
 from pallas_loop._src import iterate as iterate_lib
 from pallas_loop._src import kernel_backward
 from pallas_loop._src import kernel_forward
+from pallas_loop._src import options as options_lib
 from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src import tiling
 from pallas_loop._src import validation
+from pallas_loop._src.options import Options
 
 __all__ = [
     "CompileLine",
@@ -75,8 +77,9 @@ _TOLERANCES = {
     np.dtype(jnp.bfloat16): (5e-2, 1e-2),
 }
 
-# Options of `iterate` that only concern how it runs: never given to the reference.
-_ITERATE_ONLY = ("implementation", "interpret", "block_rows", "sort_rows", "grad")
+# Keywords of `iterate` never given to the reference (besides `options`, how
+# it runs): the reference takes the gradient mode's own arguments instead.
+_ITERATE_ONLY = ("grad",)
 _MAX_LISTED = 5  # rows / indices listed in a message before "..."
 
 
@@ -257,7 +260,8 @@ def check_against_reference(
     atol: float | None = None,
     grads: bool = True,
     seed: int = 0,
-    **options: Any,
+    options: Options | None = None,
+    **kwargs: Any,
 ) -> ReferenceCheck:
   """Runs `pallas_loop.iterate` and the oracle on your inputs and compares.
 
@@ -272,10 +276,9 @@ def check_against_reference(
   elementwise with dtype-aware tolerances (`default_tolerance`); a NaN
   matches a NaN.
 
-  Options are split by who understands them: `implementation`, `interpret`,
-  `block_rows`, `sort_rows` and `grad` go only to `iterate`; `tol`, `halt`,
-  `min_iters` (and any other keyword the oracle accepts, such as `key`) go
-  to both. Gradients are compared for the exact modes:
+  Keywords are split by who understands them: `options` and `grad` go only
+  to `iterate`; `tol`, `halt`, `min_iters` (and any other keyword the oracle
+  accepts, such as `key`) go to both. Gradients are compared for the exact modes:
   `grad="full"` (the default), `Full(...)`, and `Truncated(k)` (against the
   reference's `stop_gradient` truncation); `Implicit` and `Phantom`
   approximate the gradient on purpose and the reference has no counterpart,
@@ -294,12 +297,17 @@ def check_against_reference(
     atol: overrides the per-dtype absolute tolerance likewise.
     grads: compare gradients too (default True).
     seed: seeds the random cotangent.
-    **options: keyword options of `iterate`. Default
-      `implementation="pallas"`: the kernel, in interpret mode on CPU under
-      the TPU's rules (`interpret="gpu"`: the GPU's), so what that kernel
-      declines raises here too (pass
-      `implementation="xla"` to check the XLA loop, or `interpret=False` on
-      a GPU/TPU to check the compiled kernel).
+    options: how `iterate` runs, a `pallas_loop.Options`, forwarded whole
+      and as given (its `implementation=None` is the automatic choice: XLA
+      on CPU). None (the default): `Options(implementation="pallas")`, the
+      kernel, in interpret mode on CPU under the TPU's rules
+      (`Options(implementation="pallas", interpret="gpu")`: the GPU's), so
+      what that kernel declines raises here too (pass
+      `Options(implementation="xla")` to check the XLA loop, or
+      `Options(implementation="pallas", interpret=False)` on a GPU/TPU to
+      check the compiled kernel).
+    **kwargs: further keywords of `iterate` (`tol`, `halt`, `min_iters`,
+      `key`, `grad`, `step_index`, ...).
 
   Returns:
     A `ReferenceCheck` holding every leaf's `Comparison` (max abs/rel error);
@@ -324,24 +332,27 @@ def check_against_reference(
     >>> print(report)                 # doctest: +ELLIPSIS
     output h (float32[16, 8]): ok; max abs err ...
   """
-  if "return_info" in options:
+  if "return_info" in kwargs:
     raise TypeError("check_against_reference sets return_info itself; do not pass it.")
+  options_lib.reject_keywords(
+      "check_against_reference", {k: v for k, v in kwargs.items() if k in options_lib.FIELDS})
+  options = (Options(implementation="pallas") if options is None
+             else options_lib.check_options(options))
   ref_accepts = set(inspect.signature(reference.iterate).parameters)
-  iterate_accepts = set(inspect.signature(iterate_lib.iterate).parameters)
-  unknown = sorted(set(options) - ref_accepts - iterate_accepts)
+  iterate_accepts = set(inspect.signature(iterate_lib.iterate).parameters) - {"kwargs"}
+  unknown = sorted(set(kwargs) - ref_accepts - iterate_accepts)
   if unknown:
-    raise TypeError(f"unknown options {unknown}: neither pallas_loop.iterate nor "
+    raise TypeError(f"unknown keywords {unknown}: neither pallas_loop.iterate nor "
                     "reference.iterate takes them.")
-  options = {"implementation": "pallas", **options}
-  shared = {k: v for k, v in options.items()
+  shared = {k: v for k, v in kwargs.items()
             if k in ref_accepts and k not in _ITERATE_ONLY}
   # Gradients are compared where the reference computes the same ones ("full",
   # or Truncated(k) by stop_gradient): the mode says with which arguments.
-  reference_grad = grad_modes.as_mode(options.get("grad", "full")).reference_grad()
+  reference_grad = grad_modes.as_mode(kwargs.get("grad", "full")).reference_grad()
   if reference_grad is not None:
     shared.update(reference_grad)
   compare_grads = grads and reference_grad is not None
-  halting = options.get("tol") is not None or options.get("halt") is not None
+  halting = kwargs.get("tol") is not None or kwargs.get("halt") is not None
 
   def with_info(result: tuple) -> tuple[Any, Any]:
     # (h, info), or (h, ys, info) with per-step outputs: ((h, ys), info).
@@ -350,7 +361,7 @@ def check_against_reference(
 
   def impl(p: Any, h: Any, x_: Any) -> Any:
     return with_info(iterate_lib.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
-                                         return_info=True, **options))
+                                         return_info=True, options=options, **kwargs))
 
   def ref(p: Any, h: Any, x_: Any) -> Any:
     return with_info(reference.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
@@ -382,7 +393,8 @@ def check_against_reference(
   report = ReferenceCheck(tuple(comparisons), compare_grads)
   failed = [c for c in comparisons if not c.ok]
   if failed:
-    chosen = ", ".join(f"{k}={v!r}" for k, v in options.items() if k in _ITERATE_ONLY)
+    chosen = ", ".join([f"options={options!r}"]
+                       + [f"{k}={v!r}" for k, v in kwargs.items() if k in _ITERATE_ONLY])
     raise AssertionError(
         f"pallas_loop.iterate ({chosen}) differs from reference.iterate:\n  "
         + "\n  ".join(c.describe() for c in failed)
@@ -406,8 +418,8 @@ def poisoned_padding() -> Iterator[None]:
     >>> import jax.numpy as jnp, pallas_loop
     >>> with pallas_loop.testing.poisoned_padding():
     ...   h = pallas_loop.iterate(lambda p, h, x: h + 1, None, jnp.zeros((5, 2)),
-    ...                           max_iters=2, implementation="pallas",
-    ...                           block_rows=8)
+    ...                           max_iters=2, options=pallas_loop.Options(
+    ...                               implementation="pallas", block_rows=8))
     >>> bool(jnp.all(h == 2))
     True
   """
@@ -673,7 +685,8 @@ def check_compiles(
     max_iters: int,
     grads: Sequence[Any] = ("full",),
     targets: Sequence[str] = ("tpu", "gpu"),
-    **options: Any,
+    options: Options | None = None,
+    **kwargs: Any,
 ) -> CompileReport:
   """Lowers and compiles your own `iterate` call for a TPU and a GPU, on any machine.
 
@@ -687,7 +700,7 @@ def check_compiles(
   line rests on: "compiled", "exported" (the compiler is not installed
   here: the detail says which package brings it), or "failed".
 
-  Interpret mode (`implementation="pallas"` on a CPU) declines what the
+  Interpret mode (`Options(implementation="pallas")` on a CPU) declines what the
   TPU's (or GPU's) kernel declines by the step itself; the rules about the
   tile and the chip's memory (VMEM, shared memory, registers) decide only
   here, and on the chip.
@@ -697,11 +710,12 @@ def check_compiles(
     grads: the gradient modes to check ("full", `Truncated(k)`,
       `Implicit()`, `Phantom(k)`); () checks the forward only.
     targets: among "tpu" and "gpu".
-    **options: further `iterate` keyword options (`tol`, `halt`, `key`,
-      `step_index`, `per_example`, `block_rows`, `implementation`, ...).
-      The default `implementation=None` checks what a user gets (the
-      kernel, or XLA with a warning); "pallas" checks that a declined
-      kernel raises the library's own error.
+    options: how `iterate` runs, a `pallas_loop.Options` (None: the
+      defaults). Its default `implementation=None` checks what a user gets
+      (the kernel, or XLA with a warning); `implementation="pallas"` checks
+      that a declined kernel raises the library's own error.
+    **kwargs: further `iterate` keywords (`tol`, `halt`, `key`,
+      `step_index`, `per_example`, ...).
 
   Returns:
     A `CompileReport`; `print` it.
@@ -723,17 +737,20 @@ def check_compiles(
   unknown = sorted(set(targets) - set(deviceless.TARGETS))
   if unknown:
     raise ValueError(f"targets {unknown} are not among {sorted(deviceless.TARGETS)}.")
-  if "grad" in options or "return_info" in options:
+  options_lib.reject_keywords(
+      "check_compiles", {k: v for k, v in kwargs.items() if k in options_lib.FIELDS})
+  options = options_lib.check_options(options)
+  if "grad" in kwargs or "return_info" in kwargs:
     raise TypeError("check_compiles sets grad and return_info itself: pass the gradient "
                     "modes as grads=[...].")
-  strict = options.get("implementation") == "pallas"
-  if strict:
-    options = {"interpret": False, **options}
+  strict = options.implementation == "pallas"
+  if strict and options.interpret is None:
+    options = options.replace(interpret=False)  # the compiled kernel, not interpret mode
 
   def call(grad: Any) -> Callable[..., Any]:
     extra = {} if grad is None else {"grad": grad}
     run = lambda p, h, x_: iterate_lib.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
-                                               **extra, **options)
+                                               options=options, **extra, **kwargs)
     if grad is None:
       return run
 

@@ -22,8 +22,8 @@ import pallas_loop
 from pallas_loop import halting
 
 D, DX, K, T = 8, 4, 3, 5
-IMPLS = {"xla": dict(implementation="xla"),
-         "pallas": dict(implementation="pallas", interpret=True)}
+IMPLS = {"xla": pallas_loop.Options(implementation="xla"),
+         "pallas": pallas_loop.Options(implementation="pallas", interpret=True)}
 
 
 def make_params(seed=0, bias=-1.0):
@@ -126,11 +126,11 @@ def oracle_masked(block, params, s0, x, max_steps, eps):
   return out, count + rem
 
 
-def run_act(block, params, s0, x, max_steps, eps, impl, **kw):
+def run_act(block, params, s0, x, max_steps, eps, impl, block_rows=None, **kw):
   a = halting.act(block, max_steps=max_steps, eps=eps)
   h0 = a.init(params, s0, x)
-  return pallas_loop.iterate(a.step, params, h0, x, max_iters=a.max_steps, halt=a.halt,
-                             **IMPLS[impl], **kw)
+  return pallas_loop.iterate(a.step, params, h0, x, max_iters=a.max_steps, halt=a.halt, **kw,
+                             options=IMPLS[impl].replace(block_rows=block_rows))
 
 
 CASES = {"per_example": (example_block, False), "per_token": (token_block, True)}
@@ -344,7 +344,7 @@ def test_kernels_lower(platform, case):
   """Forward and backward kernels of an ACT step export for the platform. (The
   per-token block's batched dots do not lower with Pallas Triton in JAX 0.11.2:
   export fails inside JAX's Triton lowering, so on GPU run such a block
-  with implementation="xla".)"""
+  with options=pallas_loop.Options(implementation="xla").)"""
   from tests import lowering
   width, tokens, batch = 32, 16, 64
   k = jax.random.split(jax.random.key(0), 3)
@@ -359,7 +359,7 @@ def test_kernels_lower(platform, case):
 
   def loss(params, h0, x):
     h = pallas_loop.iterate(a.step, params, h0, x, max_iters=a.max_steps, halt=a.halt,
-                            implementation="pallas", interpret=False)
+                            options=pallas_loop.Options(implementation="pallas", interpret=False))
     return jnp.sum(h.output) + jnp.sum(h.ponder_cost)
 
   text = lowering.export_text(jax.grad(loss), params, h0, x, platform=platform)

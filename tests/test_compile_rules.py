@@ -107,11 +107,12 @@ def _plans(block, d, dtype, *, grad, implementation=None, batch=4096, platform="
   else:
     step, params, h0, x = blocks.make(block, batch, d, jnp.dtype(dtype))
   n = jnp.arange(batch, dtype=jnp.int32) % (MAX_ITERS + 1)
-  run = functools.partial(pallas_loop.iterate, step, max_iters=MAX_ITERS,
-                          implementation=implementation, hoist=hoist, block_rows=block_rows,
+  # The kernel compiled for `platform` (not interpreted) where it is asked for.
+  interpret = False if implementation == "pallas" else None
+  how = pallas_loop.Options(implementation=implementation, interpret=interpret,
+                            hoist=hoist, block_rows=block_rows)
+  run = functools.partial(pallas_loop.iterate, step, max_iters=MAX_ITERS, options=how,
                           **options)
-  if implementation == "pallas":
-    run = functools.partial(run, interpret=False)
   forward = lambda p, h, x_, n_: run(p, h, x_, iters=n_)
   # The loss and its gradient, as a training step needs them: a gradient
   # alone does not need the forward's output, and the forward kernel of a
@@ -242,8 +243,9 @@ def test_re_read_and_split_weights_match_the_reference(re_read_interpret, block)
   del re_read_interpret
   step, params, h0, x = blocks.make(block, 19, 32)
   n = cases.counts("ragged", 19, MAX_ITERS)
-  run = functools.partial(pallas_loop.iterate, implementation="pallas", interpret=True,
-                          block_rows=8)
+  run = functools.partial(pallas_loop.iterate,
+                          options=pallas_loop.Options(implementation="pallas", interpret=True,
+                                                      block_rows=8))
   loss = lambda it, p, h, x_: cases.tree_sum(it(step, p, h, x_, iters=n, max_iters=MAX_ITERS))
   got = jax.value_and_grad(functools.partial(loss, run), argnums=(0, 1, 2))(params, h0, x)
   want = jax.value_and_grad(functools.partial(loss, reference.iterate),
@@ -262,8 +264,8 @@ def test_gpu_rules_in_interpret_mode_match_the_reference(block):
   n = cases.counts("ragged", 40, MAX_ITERS)
   kw = dict(iters=n, max_iters=MAX_ITERS, key=jax.random.key(3))
   loss = lambda it, p, h, x_: cases.tree_sum(it(keyed, p, h, x_, **kw))
-  run = functools.partial(pallas_loop.iterate, implementation="pallas", interpret="gpu",
-                          block_rows=16)
+  run = functools.partial(pallas_loop.iterate, options=pallas_loop.Options(
+      implementation="pallas", interpret="gpu", block_rows=16))
   got = jax.value_and_grad(functools.partial(loss, run), argnums=(0, 1, 2))(params, h0, x)
   want = jax.value_and_grad(functools.partial(loss, reference.iterate),
                             argnums=(0, 1, 2))(params, h0, x)
@@ -407,8 +409,8 @@ def test_mosaic_merges_leading_contractions_and_matches_the_reference():
   # of [TB, S, D] values: the TPU rules compute them as 2-D dots.
   step, params, h0, x = blocks.make("transformer", 11, 16)
   n = cases.counts("ragged", 11, MAX_ITERS)
-  run = functools.partial(pallas_loop.iterate, block_rows=8,
-                          **cases.IMPLEMENTATIONS["pallas_tpu_interpret"])
+  options = cases.IMPLEMENTATIONS["pallas_tpu_interpret"].replace(block_rows=8)
+  run = functools.partial(pallas_loop.iterate, options=options)
   loss = lambda it, p: cases.tree_sum(it(step, p, h0, x, iters=n, max_iters=MAX_ITERS))
   got = jax.grad(functools.partial(loss, run))(params)
   want = jax.grad(functools.partial(loss, reference.iterate))(params)
@@ -496,7 +498,8 @@ def test_attention_in_interpret_mode_matches_the_reference(style):
   step, params, h0, x, options = attention.make(style, 11, 32, heads=4, tokens=5)
   n = cases.counts("ragged", 11, 3)
   loss = lambda it, p, h: cases.tree_sum(it(step, p, h, x, iters=n, max_iters=3, **options))
-  run = functools.partial(pallas_loop.iterate, implementation="pallas", block_rows=8)
+  run = functools.partial(pallas_loop.iterate,
+                          options=pallas_loop.Options(implementation="pallas", block_rows=8))
   got = jax.value_and_grad(functools.partial(loss, run), argnums=(0, 1))(params, h0)
   want = jax.value_and_grad(functools.partial(loss, reference.iterate), argnums=(0, 1))(params, h0)
   oracle.assert_trees_close(got, want, what=f"{style} attention")

@@ -303,8 +303,9 @@ def test_pallas_matches_xla_forward_and_gradient():
   def run(impl):
     def loss(p):
       h, info = deq.fixed_point(_layer, p, h0, x, solver=deq.Anderson(m=3), tol=1e-5,
-                                max_steps=60, implementation=impl, return_info=True,
-                                on_failure="raise")
+                                max_steps=60, return_info=True,
+                                on_failure="raise",
+                                options=pallas_loop.Options(implementation=impl))
       return jnp.sum(h ** 2), (h, info)
     return jax.grad(loss, has_aux=True)(params)
 
@@ -344,8 +345,8 @@ def test_anderson_forward_and_adjoint_lower_to_kernels(platform):
 
   def grad(p, h0, x):
     return jax.grad(lambda p: jnp.sum(deq.fixed_point(
-        _layer, p, h0, x, solver=deq.Anderson(m=5), tol=1e-5, max_steps=50,
-        implementation="pallas", interpret=False, on_failure="ignore")))(p)
+        _layer, p, h0, x, solver=deq.Anderson(m=5), tol=1e-5, max_steps=50, on_failure="ignore",
+        options=pallas_loop.Options(implementation="pallas", interpret=False))))(p)
 
   text = lowering.export_text(grad, params, h0, x, platform=platform)
   assert text.count(lowering.TARGETS[platform][2]) == 2

@@ -89,8 +89,8 @@ def _grads(run, step, extra, params, h0, x, n):
 
 
 def _run(impl, hoist_on=True, **kw):
-  return functools.partial(pallas_loop.iterate, **cases.IMPLEMENTATIONS[impl], block_rows=8,
-                           hoist=hoist_on, **kw)
+  options = cases.IMPLEMENTATIONS[impl].replace(block_rows=8, hoist=hoist_on)
+  return functools.partial(pallas_loop.iterate, **kw, options=options)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -303,14 +303,16 @@ h0, x = jax.random.normal(k[3], (B, D)), jax.random.normal(k[4], (B, D))
 n = jnp.arange(B, dtype=jnp.int32) % 6
 rows = NamedSharding(jax.make_mesh((8,), ("rows",)), P("rows"))
 s_h0, s_x, s_n = jax.device_put((h0, x, n), rows)
-for impl in ({"implementation": "xla"}, {"implementation": "pallas", "interpret": True}):
-  run = functools.partial(pallas_loop.iterate, max_iters=5, block_rows=4, **impl)
+for impl in ("xla", "pallas"):
+  options = pallas_loop.Options(implementation=impl, interpret=True if impl == "pallas" else None,
+                                block_rows=4)
+  run = functools.partial(pallas_loop.iterate, max_iters=5, options=options)
   forward = jax.jit(lambda p, h, x_, n_: run(step, p, h, x_, iters=n_))
   with dispatch.observe_plans() as seen:
     got = forward(params, s_h0, s_x, s_n)
   for _, _, plan in seen:  # the kernel's step: h @ w only, x @ u was hoisted
     assert [e.primitive.name for e in plan.traced.jaxpr.eqns].count("dot_general") == 1
-  assert len(seen) == (impl["implementation"] == "pallas")
+  assert len(seen) == (impl == "pallas")
   oracle.assert_trees_close(got, reference.iterate(step, params, h0, x, iters=n, max_iters=5))
   assert got.sharding.spec == P("rows", None), got.sharding
   assert hlo.collectives(forward.lower(params, s_h0, s_x, s_n).compile().as_text()) == {}

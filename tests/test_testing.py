@@ -29,9 +29,9 @@ def _problem(name, batch=B, dtype=jnp.float32):
 def test_good_block_passes(block, implementation):
   step, params, h0, x = _problem(block)
   testing.check_row_independence(step, params, h0, x)
+  options = pallas_loop.Options(implementation=implementation, block_rows=8)
   report = testing.check_against_reference(step, params, h0, x, iters=COUNTS,
-                                           max_iters=MAX_ITERS, block_rows=8,
-                                           implementation=implementation)
+                                           max_iters=MAX_ITERS, options=options)
   assert report.gradients_compared
   names = [c.name for c in report.comparisons]
   n_state = len(jax.tree.leaves(h0))
@@ -105,11 +105,11 @@ def test_detects_forward_difference_names_leaf_and_row(monkeypatch):
   monkeypatch.setattr(testing.iterate_lib, "iterate", _corrupt_row(1, 6, 0.5))
   with pytest.raises(AssertionError) as e:
     testing.check_against_reference(step, params, h0, x, iters=COUNTS, max_iters=MAX_ITERS,
-                                    implementation="xla", grads=False)
+                                    grads=False, options=pallas_loop.Options(implementation="xla"))
   msg = str(e.value)
   assert "output h[1] (float32[11, 8]): 1 of 11 rows differ (rows 6)" in msg, msg
   assert "max abs err 0.5" in msg and "output h[0]" not in msg, msg
-  assert "implementation='xla'" in msg
+  assert "options=Options(implementation='xla')" in msg
 
 
 def test_detects_gradient_difference(monkeypatch):
@@ -117,7 +117,7 @@ def test_detects_gradient_difference(monkeypatch):
   monkeypatch.setattr(testing.iterate_lib, "iterate", _corrupt_h0_gradient())
   with pytest.raises(AssertionError) as e:
     testing.check_against_reference(step, params, h0, x, iters=COUNTS, max_iters=MAX_ITERS,
-                                    implementation="xla")
+                                    options=pallas_loop.Options(implementation="xla"))
   msg = str(e.value)
   # Both state leaves (h, c) get the doubled cotangent at row 3; nothing else differs.
   assert re.search(r"gradient w\.r\.t\. h0\[0\] .*: 1 of 11 rows differ \(rows 3\)", msg), msg
@@ -132,21 +132,22 @@ def test_detects_a_block_that_mixes_rows_in_the_kernel(request):
   a mixing that check cannot see (rows scattered to reversed positions) is
   right in the reference (whole batch), wrong on tiles, and caught here."""
   step, params, h0, x = _problem("tanh_rnn")
+  kernel = pallas_loop.Options(implementation="pallas", block_rows=8)
   mixing = lambda p, h, x_: step(p, h - jnp.mean(h, axis=0), x_)
   with pytest.raises(ValueError, match=r"^step reduces over the row axis"):
     testing.check_against_reference(mixing, params, h0, x, iters=COUNTS,
-                                    max_iters=MAX_ITERS, block_rows=8)
+                                    max_iters=MAX_ITERS, options=kernel)
   hidden = lambda p, h, x_: step(p, jnp.zeros_like(h).at[jnp.arange(h.shape[0])[::-1]].set(h), x_)
   # The TPU's kernel does not lower its `rev` and `scatter` (nor, so, does
   # interpret mode); the comparison must catch it where a kernel does.
   with pytest.raises(ValueError, match=r"mosaic_tpu forward kernel cannot run this step: "
                      r"step uses the primitive `rev`"):
     testing.check_against_reference(hidden, params, h0, x, iters=COUNTS,
-                                    max_iters=MAX_ITERS, block_rows=8)
+                                    max_iters=MAX_ITERS, options=kernel)
   request.getfixturevalue("tpu_step_rules_lifted")
   with pytest.raises(AssertionError, match=r"output h \(float32\[11, 8\]\): \d+ of 11 rows differ"):
     testing.check_against_reference(hidden, params, h0, x, iters=COUNTS,
-                                    max_iters=MAX_ITERS, block_rows=8)
+                                    max_iters=MAX_ITERS, options=kernel)
 
 
 def test_parameter_gradient_reports_element_indices(monkeypatch):
@@ -162,7 +163,7 @@ def test_parameter_gradient_reports_element_indices(monkeypatch):
       lambda s, p, *a, **kw: real(s, (bump(p[0]),) + p[1:], *a, **kw)))
   with pytest.raises(AssertionError) as e:
     testing.check_against_reference(step, params, h0, x, iters=COUNTS, max_iters=MAX_ITERS,
-                                    implementation="xla")
+                                    options=pallas_loop.Options(implementation="xla"))
   assert "gradient w.r.t. params[0] (float32[8, 8]): 1 of 64 elements differ (elements (2, 5))" \
       in str(e.value), str(e.value)
 
@@ -170,8 +171,9 @@ def test_parameter_gradient_reports_element_indices(monkeypatch):
 def test_options_are_routed_and_checked():
   step, params, h0, x = _problem("tanh_rnn")
   run = functools.partial(testing.check_against_reference, step, params, h0, x,
-                          iters=COUNTS, max_iters=MAX_ITERS, implementation="xla")
-  with pytest.raises(TypeError, match="unknown options \\['blockrows'\\]"):
+                          iters=COUNTS, max_iters=MAX_ITERS,
+                          options=pallas_loop.Options(implementation="xla"))
+  with pytest.raises(TypeError, match="unknown keywords \\['blockrows'\\]"):
     run(blockrows=8)
   with pytest.raises(TypeError, match="return_info"):
     run(return_info=True)
@@ -185,6 +187,7 @@ def test_options_are_routed_and_checked():
 
 def test_row_independence_catches_batch_mean():
   step, params, h0, x = _problem("tanh_rnn")
+  kernel = pallas_loop.Options(implementation="pallas", block_rows=8)
   mixing = lambda p, h, x_: step(p, h - jnp.mean(h, axis=0), x_)
   with pytest.raises(AssertionError) as e:
     testing.check_row_independence(mixing, params, h0, x)
@@ -248,12 +251,12 @@ def test_gradient_modes_are_compared_where_exact():
   step, params, h0, x = blocks.make("tanh_rnn", 12, 16)
   n = jnp.arange(12) % 6
   report = pallas_loop.testing.check_against_reference(
-      step, params, h0, x, iters=n, max_iters=5, implementation="xla",
-      grad=pallas_loop.Truncated(2))
+      step, params, h0, x, iters=n, max_iters=5,
+      grad=pallas_loop.Truncated(2), options=pallas_loop.Options(implementation="xla"))
   assert report.gradients_compared
   report = pallas_loop.testing.check_against_reference(
-      step, params, h0, x, iters=n, max_iters=5, implementation="xla",
-      grad=pallas_loop.Phantom(2))
+      step, params, h0, x, iters=n, max_iters=5,
+      grad=pallas_loop.Phantom(2), options=pallas_loop.Options(implementation="xla"))
   assert not report.gradients_compared
 
 
@@ -290,13 +293,13 @@ def test_check_against_reference_declines_what_the_tpu_declines():
                      r"step: step uses the primitive `dynamic_slice`.*interpret='gpu'"):
     testing.check_against_reference(_untied, params, h0, x, **kw)
   testing.check_against_reference(_untied, params, h0, x, grads=False, **kw)
-  testing.check_against_reference(_untied, params, h0, x, implementation="xla", **kw)
+  testing.check_against_reference(_untied, params, h0, x,
+                                  options=pallas_loop.Options(implementation="xla"), **kw)
 
 
 def test_interpret_names_its_target():
   with pytest.raises(ValueError, match="interpret='cuda' must be None, True, False, 'tpu' or 'gpu'"):
-    pallas_loop.iterate(lambda p, h, x: h, None, jnp.ones((4, 2)), max_iters=1,
-                        implementation="pallas", interpret="cuda")
+    pallas_loop.Options(implementation="pallas", interpret="cuda")
 
 
 def test_check_compiles_reports_what_runs_where():
@@ -322,7 +325,8 @@ def test_check_compiles_reports_what_runs_where():
 def test_check_compiles_under_pallas_reports_the_raise():
   params, h0, x = _untied_inputs(batch=256, d=128, layers=4)
   report = testing.check_compiles(_untied, params, h0, x, max_iters=4, step_index=True,
-                                  targets=["tpu"], implementation="pallas")
+                                  targets=["tpu"],
+                                  options=pallas_loop.Options(implementation="pallas"))
   assert report.runs("tpu") == "kernel"
   (raised,) = [l for l in report.lines if l.grad == "full"]
   assert raised.runs == "raises" and "mosaic_tpu backward kernel cannot run" in raised.why

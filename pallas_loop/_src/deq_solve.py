@@ -29,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_loop._src import deq_solvers
+from pallas_loop._src import options as options_lib
 from pallas_loop._src.iterate import iterate
+from pallas_loop._src.options import Options
 from pallas_loop.halting import row_rms
 
 POLICIES = ("warn", "raise", "nan", "ignore")
@@ -216,7 +218,7 @@ def _avals(tree: Any) -> Any:
 
 def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0: jax.Array,
                per_row: Any, threshold: jax.Array, solver: deq_solvers.Solver, max_steps: int,
-               run_kw: dict[str, Any], grad: Any = "full") -> tuple[jax.Array, SolveInfo]:
+               options: Options, grad: Any = "full") -> tuple[jax.Array, SolveInfo]:
   """Solves z = fmap(shared, z, per_row) per row with `iterate`.
 
   Args:
@@ -227,7 +229,7 @@ def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0
     threshold: float32 [B]: a row halts once rms(f(z) - z) <= its threshold.
     solver: the `Solver`.
     max_steps: static int >= 1, the step budget of every row.
-    run_kw: iterate's implementation options.
+    options: how iterate runs (`pallas_loop.Options`).
     grad: iterate's gradient mode (only used by `UnrolledAdjoint`).
 
   Returns:
@@ -255,7 +257,7 @@ def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0
   state0 = (z0, inf, z0, inf, solver.init(z0))
   (_, _, z, residual, _), info = iterate(step, shared, state0, (per_row, threshold),
                                          max_iters=max_steps, halt=halt, grad=grad,
-                                         return_info=True, **run_kw)
+                                         return_info=True, options=options)
   return z, SolveInfo(info.steps, jax.lax.stop_gradient(residual), info.halted)
 
 
@@ -296,20 +298,18 @@ def fixed_point(
     adjoint: ImplicitAdjoint | UnrolledAdjoint | None = None,
     on_failure: str = "warn",
     return_info: bool = False,
-    implementation: str | None = None,
-    interpret: Any = None,
-    block_rows: int | None = None,
-    sort_rows: bool = True,
+    options: Options | None = None,
+    **kwargs: Any,
 ) -> Any:
   """Solves h = f(params, h, x) for each row, differentiably (a DEQ layer).
 
   Each row runs `solver` on the map until rms(f(h) - h) <= `tol` (then keeps
   f(h)) or `max_steps` map evaluations (then keeps f(h) at the h of smallest
-  residual seen), and stops costing compute when it
-  halts (one `iterate` call: the XLA loop, or the Pallas kernel with
-  `implementation="pallas"`). The gradient is chosen by `adjoint`; by
-  default the implicit gradient of f at the fixed point, whatever solver
-  found it. Rows that do not converge are reported by `on_failure`.
+  residual seen), and stops costing compute when it halts (one `iterate`
+  call: the XLA loop, or the Pallas kernel with
+  `options=pallas_loop.Options(implementation="pallas")`). The gradient is
+  chosen by `adjoint`; by default the implicit gradient of f at the fixed
+  point, whatever solver found it. Rows that do not converge are reported by `on_failure`.
 
   Args:
     f: the map `f(params, h, x) -> h`, written for a tile of rows like
@@ -334,10 +334,12 @@ def fixed_point(
       `JaxRuntimeError`), "nan" (those rows of the output, and of the
       adjoint, become NaN) or "ignore".
     return_info: also return the forward's `SolveInfo`.
-    implementation: `iterate`'s: None (auto), "xla" or "pallas".
-    interpret: `iterate`'s Pallas interpret option.
-    block_rows: `iterate`'s rows per kernel tile.
-    sort_rows: `iterate`'s row ordering.
+    options: how to run, a `pallas_loop.Options` (None: `Options()`),
+      forwarded whole to every `iterate` call (the forward solve and the
+      adjoint's).
+    **kwargs: nothing else is taken; `implementation=`, `block_rows=` and
+      the other how-to-run keywords of earlier versions raise a TypeError
+      that shows their spelling with `options=`.
 
   Returns:
     h* with the structure, shapes and dtypes of `h0`; with
@@ -352,6 +354,8 @@ def fixed_point(
     >>> bool(jnp.all(info.converged)), bool(jnp.allclose(f(w, h, x), h, atol=1e-4))
     (True, True)
   """
+  options_lib.reject_keywords("fixed_point", kwargs)
+  options = options_lib.check_options(options)
   solver = deq_solvers.Anderson() if solver is None else solver
   adjoint = ImplicitAdjoint() if adjoint is None else adjoint
   _check_policy("on_failure", on_failure)
@@ -362,8 +366,6 @@ def fixed_point(
   flat = _Flat(h0)
   z0 = flat.ravel(h0)
   batch = z0.shape[0]
-  run_kw = dict(implementation=implementation, interpret=interpret, block_rows=block_rows,
-                sort_rows=sort_rows)
 
   def map_rows(p, z, xx):
     return flat.ravel(f(p, flat.unravel(z), xx))
@@ -379,9 +381,9 @@ def fixed_point(
   threshold = jnp.broadcast_to(jnp.asarray(tol, jnp.float32), (batch,))
   shared = (params, tuple(consts))
   if isinstance(adjoint, UnrolledAdjoint):
-    z, info = solve_rows(fmap, shared, z0, x, threshold, solver, max_steps, run_kw, grad="full")
+    z, info = solve_rows(fmap, shared, z0, x, threshold, solver, max_steps, options, grad="full")
   else:
-    z, info = _implicit(fmap, solver, max_steps, run_kw, tol, on_failure, adjoint)(
+    z, info = _implicit(fmap, solver, max_steps, options, tol, on_failure, adjoint)(
         shared, z0, x, threshold)
   _report("forward", on_failure, tol if not isinstance(tol, jax.core.Tracer) else "traced",
           max_steps, info)
@@ -391,7 +393,7 @@ def fixed_point(
   return (h, info) if return_info else h
 
 
-def _implicit(fmap, solver, max_steps, run_kw, tol, on_failure, adjoint: ImplicitAdjoint):
+def _implicit(fmap, solver, max_steps, options, tol, on_failure, adjoint: ImplicitAdjoint):
   """The forward solve as a custom_vjp whose backward is the adjoint solve."""
   adj_solver = solver if adjoint.solver is None else adjoint.solver
   adj_tol = tol if adjoint.tol is None else adjoint.tol
@@ -400,10 +402,10 @@ def _implicit(fmap, solver, max_steps, run_kw, tol, on_failure, adjoint: Implici
 
   @jax.custom_vjp
   def run(shared, z0, x, threshold):
-    return solve_rows(fmap, shared, z0, x, threshold, solver, max_steps, run_kw)
+    return solve_rows(fmap, shared, z0, x, threshold, solver, max_steps, options)
 
   def run_fwd(shared, z0, x, threshold):
-    z, info = solve_rows(fmap, shared, z0, x, threshold, solver, max_steps, run_kw)
+    z, info = solve_rows(fmap, shared, z0, x, threshold, solver, max_steps, options)
     return (z, info), (shared, x, z, threshold)
 
   def run_bwd(saved, cotangents):
@@ -420,7 +422,7 @@ def _implicit(fmap, solver, max_steps, run_kw, tol, on_failure, adjoint: Implici
     rel = threshold if adjoint.tol is None else jnp.full_like(threshold, adjoint.tol)
     adj_threshold = rel * row_rms(g)
     u, info = solve_rows(adjoint_map, shared, g, (z_star, x, g), adj_threshold, adj_solver,
-                         adj_steps, run_kw)
+                         adj_steps, options)
     callback = adjoint.callback
     if callback is not None:
       jax.debug.callback(lambda *a: callback(SolveInfo(*a)), *info)

@@ -400,7 +400,8 @@ def split(body: Callable[..., Any], params: Any, h0: Any,
     if here.signature() != signature:
       raise ValueError(
           "pallas_loop.iterate: the step's jaxpr differs between row counts, so its "
-          "hoisted state-independent part does not apply at this tile; pass hoist=False.")
+          "hoisted state-independent part does not apply at this tile; pass "
+          "options=pallas_loop.Options(hoist=False).")
     flat = [*here.consts, *params_, *tree_util.tree_leaves(h), *x_,
             *tree_util.tree_leaves((t, rows, index))]
     env = {i: v for i, v in zip(here.inputs, flat) if i in read}

@@ -65,7 +65,7 @@ class Rules:
       float32.
     approx_tanh: with `fast_math`, float32 tanh by `tanh.approx.f32`; set
       per call by `for_state` (from the state's dtypes, or from
-      `iterate(approx_tanh=...)`), never by a backend.
+      `Options.approx_tanh`), never by a backend.
     emulate_fast_math: `fast_math` in jnp, for interpret mode (no PTX).
     logistic_via_tanh: `logistic(x)` (`jax.nn.sigmoid`) as `0.5 * tanh(0.5
       x) + 0.5`, in float32 (Mosaic): one transcendental instead of an exp

@@ -115,7 +115,7 @@ class GroupPlan:
 
   @property
   def block_rows(self) -> int:
-    """Rows one evaluation of the step sees (`iterate(block_rows=...)`)."""
+    """Rows one evaluation of the step sees (`Options.block_rows`)."""
     return self.chunk_rows
 
   @property

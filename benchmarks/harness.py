@@ -294,18 +294,40 @@ def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0) -> list[di
   return results
 
 
-def print_table(results: list[dict]) -> None:
-  """Prints one row per (case, implementation)."""
-  interpret = jax.default_backend() == "cpu"
-  pallas = "pallas (interpret)" if interpret else "pallas"
-  if interpret:
+# What the columns of `print_table` mean, printed with it.
+COLUMNS = """\
+  median ms  median time of one call (forward; the jax.grad of the sum for fwd+bwd)
+  vs scan    speedup over the masked scan (lax.scan over max_iters, masked: every
+             row pays max_iters steps), >1 = faster
+  vs vmapW   speedup over jax.vmap of a per-row lax.while_loop (pays for the
+             slowest row; no reverse-mode gradient, so n/a with fwd+bwd)
+  ideal      B*max_iters/sum(n_i): the speedup over the masked scan if rows that
+             are done cost nothing (n_i: the steps row i takes)
+  of ideal   vs scan / ideal (1.0 = finished rows cost nothing)
+  work eff   useful row-steps / row-steps computed (padding, tiles and stages
+             that run past a row's count lower it)
+  GFLOP/s    the useful steps' FLOPs / median time
+  max err    largest difference from the masked scan's output (gradients with
+             fwd+bwd), scaled by each leaf's magnitude
+  compile s  lowering + compile: what a first call pays"""
+
+_COLUMN_HEADER = (f"{'case':56s} {'impl':18s} {'median ms':>10s} {'vs scan':>8s} "
+                  f"{'vs vmapW':>8s} {'ideal':>6s} {'of ideal':>8s} {'work eff':>8s} "
+                  f"{'GFLOP/s':>8s} {'max err':>9s} {'compile s':>9s}")
+
+
+def print_header() -> None:
+  """Prints the table's column header (and, on a CPU, what 'pallas' means)."""
+  if jax.default_backend() == "cpu":
     print("note: CPU run: 'pallas' is the kernel in Pallas INTERPRET mode "
           "(a correctness vehicle, not the compiled kernel's speed).")
-  header = (f"{'case':56s} {'impl':18s} {'median ms':>10s} {'vs scan':>8s} "
-            f"{'vs vmapW':>8s} {'ideal':>6s} {'of ideal':>8s} {'work eff':>8s} "
-            f"{'GFLOP/s':>8s} {'max err':>9s} {'compile s':>9s}")
-  print(header)
-  print("-" * len(header))
+  print(_COLUMN_HEADER)
+  print("-" * len(_COLUMN_HEADER))
+
+
+def print_rows(results: list[dict]) -> None:
+  """Prints one row per (case, implementation), as `run_case` returns them."""
+  pallas = "pallas (interpret)" if jax.default_backend() == "cpu" else "pallas"
   for r in results:
     vs_vmap = r.get("speedup_vs_vmap_while")
     vs_vmap = f"{vs_vmap:7.2f}x" if vs_vmap is not None else f"{'n/a':>8s}"
@@ -317,4 +339,10 @@ def print_table(results: list[dict]) -> None:
           f"{r['max_error']:9.2e} {r.get('compile_seconds', float('nan')):9.2f}"
           f"{'' if r['ok'] else '  MISMATCH'}"
           + (f"  {r['fraction_of_peak']:.3f} of bf16 peak"
-             if r.get("fraction_of_peak") is not None else ""))
+             if r.get("fraction_of_peak") is not None else ""), flush=True)
+
+
+def print_table(results: list[dict]) -> None:
+  """Prints the header, then one row per (case, implementation)."""
+  print_header()
+  print_rows(results)

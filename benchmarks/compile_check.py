@@ -3,7 +3,7 @@
     pip install -e ".[compile-check]"
     python -m benchmarks.compile_check               # the quick matrix, every target
     python -m benchmarks.compile_check --full        # the whole matrix
-    python -m benchmarks.compile_check --sample 12   # CI: the quick matrix + 12 rotating cases
+    python -m benchmarks.compile_check --sample 6    # CI: the quick matrix + 6 rotating cases
     python -m benchmarks.compile_check --targets h200 --out report.jsonl --markdown report.md
 
 Export only proves that Pallas emitted a kernel; this runs the compilers the

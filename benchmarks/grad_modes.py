@@ -125,9 +125,15 @@ def run_case(case: GradCase, impls, repeats: int):
   return rows
 
 
-def print_table(rows):
-  print(f"{'case':<58} {'impl':<7} {'median':>9} {'vs scan':>8} {'temp MiB':>9} "
-        f"{'vs scan':>8} {'rel.diff':>9}")
+_HEADER = (f"{'case':<58} {'impl':<7} {'median':>9} {'vs scan':>8} {'temp MiB':>9} "
+           f"{'vs scan':>8} {'rel.diff':>9}")
+
+
+def print_header():
+  print(_HEADER)
+
+
+def print_rows(rows):
   for r in rows:
     diff = f"{r['rel_diff_vs_ref']:.1e}" + ("" if r["checked"] else "*")
     if r.get("rows_halting_elsewhere"):
@@ -137,10 +143,20 @@ def print_table(rows):
     print(f"{r['case']:<58} {r['impl']:<7} {r['time_s'] * 1e3:>7.1f}ms "
           f"{r['speedup_vs_scan_grad']:>7.2f}x {r['temp_bytes'] / 2**20:>9.2f} "
           + (f"{r['memory_vs_scan_grad']:>7.2f}x" if r["memory_vs_scan_grad"] is not None
-             else f"{'n/a':>8s}") + f" {diff:>9}")
+             else f"{'n/a':>8s}") + f" {diff:>9}", flush=True)
+
+
+def print_legend():
   print("vs scan: jit(grad) of the masked-scan reference in the same run (time: "
-        "speedup; memory: compiled temporaries ratio). * = approximate mode, "
-        "difference reported, not checked.")
+        "speedup; memory: compiled temporaries ratio). rel.diff: the gradient's "
+        "relative difference from the exact one; * = approximate mode, difference "
+        "reported, not checked.")
+
+
+def print_table(rows):
+  print_header()
+  print_rows(rows)
+  print_legend()
 
 
 def scaled_cases(batch: int, d: int):

@@ -372,27 +372,49 @@ def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0,
   return results
 
 
-def print_table(results: list[dict]) -> None:
-  """Prints one row per (case, implementation), with a legend and the
-  per-call floor the times leave out."""
-  interpret = jax.default_backend() == "cpu"
-  pallas = "pallas (interpret)" if interpret else "pallas"
-  if interpret:
+# What the columns of `print_table` mean, printed with it.
+COLUMNS = """\
+  ms         one application on the device, inside one jit (many applications
+             chained, each on its own rolled rows), the jitted call's floor
+             (the host's round trip, printed below the table) left out; the
+             forward, or the jax.grad of the sum for fwd+bwd
+  vs scan    speedup over the masked scan (lax.scan over max_iters, masked: every
+             row pays max_iters steps), >1 = faster
+  vs hoisted speedup over that scan with the step's state-independent part
+             (x U + b) computed once before the loop by hand (n/a: the block
+             has no such part)
+  vs vmapW   speedup over jax.vmap of a per-row lax.while_loop (pays for the
+             slowest row; no reverse-mode gradient, so n/a with fwd+bwd)
+  ns/rs      ns per useful row-step (a row's step it asked for)
+  x bound    ns/rs over the matrix unit's bound: the step's state-dependent
+             matmul FLOPs at the chip's bf16 peak (- where the peak is unknown)
+  ideal      B*max_iters/sum(n_i): the speedup over the masked scan if rows that
+             are done cost nothing (n_i: the steps row i takes)
+  of ideal   vs scan / ideal (1.0 = finished rows cost nothing)
+  work eff   useful row-steps / row-steps computed (padding, tiles and stages
+             that run past a row's count lower it)
+  max err    largest difference from the masked scan's output (gradients with
+             fwd+bwd), scaled by each leaf's magnitude
+  compile s  lowering + compile: what a first call pays"""
+
+_COLUMN_HEADER = (f"{'case':56s} {'impl':18s} {'ms':>9s} {'vs scan':>8s} {'vs hoisted':>10s} "
+                  f"{'vs vmapW':>8s} {'ns/rs':>7s} {'x bound':>7s} {'ideal':>6s} {'of ideal':>8s} "
+                  f"{'work eff':>8s} {'max err':>9s} {'compile s':>9s}")
+
+
+def print_header() -> None:
+  """Prints the table's column header (and, on a CPU, what 'pallas' means)."""
+  if jax.default_backend() == "cpu":
     print("note: CPU run: 'pallas' is the kernel in Pallas INTERPRET mode "
           "(a correctness vehicle, not the compiled kernel's speed).")
-  floors = sorted({round(r["floor_seconds"] * 1e3, 3) for r in results if "floor_seconds" in r})
-  chains = sorted({r["chain"] for r in results if "chain" in r})
-  print(f"ms: one application on the device, inside one jit ({'/'.join(map(str, chains))} "
-        f"chained), the call's floor ({'/'.join(map(str, floors))} ms a call) left out. "
-        "vs scan / vs hoisted / vs vmapW: speedup over the masked scan, the masked scan "
-        "hoisted by hand, vmap(while_loop). ns/rs: ns per useful row-step; x bound: its "
-        "ratio to the matrix unit's bound. ideal: B*T/sum(n); of ideal: the speedup's "
-        "fraction of it; work eff: useful row-steps / row-steps computed.")
-  header = (f"{'case':56s} {'impl':18s} {'ms':>9s} {'vs scan':>8s} {'vs hoisted':>10s} "
-            f"{'vs vmapW':>8s} {'ns/rs':>7s} {'x bound':>7s} {'ideal':>6s} {'of ideal':>8s} "
-            f"{'work eff':>8s} {'max err':>9s} {'compile s':>9s}")
-  print(header)
-  print("-" * len(header))
+  print(_COLUMN_HEADER)
+  print("-" * len(_COLUMN_HEADER))
+
+
+def print_rows(results: list[dict]) -> None:
+  """Prints one row per (case, implementation), as `run_case` returns them,
+  then the per-call floor and chain lengths their times leave out."""
+  pallas = "pallas (interpret)" if jax.default_backend() == "cpu" else "pallas"
   ratio = lambda v, w: f"{v:{w - 1}.2f}x" if v is not None else f"{'n/a':>{w}s}"
   for r in results:
     name = pallas if r["impl"] == "pallas" else r["impl"]
@@ -404,4 +426,15 @@ def print_table(results: list[dict]) -> None:
           f"{r['ideal_speedup']:5.2f}x {r['fraction_of_ideal']:8.2f} "
           f"{r['work_efficiency']:8.3f} "
           f"{r['max_error']:9.2e} {r.get('compile_seconds', float('nan')):9.2f}"
-          f"{'' if r['ok'] else '  MISMATCH'}")
+          f"{'' if r['ok'] else '  MISMATCH'}", flush=True)
+  floors = sorted({round(r["floor_seconds"] * 1e3, 3) for r in results if "floor_seconds" in r})
+  chains = sorted({r["chain"] for r in results if "chain" in r})
+  if floors:
+    print(f"  (floor left out: {'/'.join(map(str, floors))} ms a call; "
+          f"{'/'.join(map(str, chains))} applications chained a call)", flush=True)
+
+
+def print_table(results: list[dict]) -> None:
+  """Prints the header, then one row per (case, implementation)."""
+  print_header()
+  print_rows(results)

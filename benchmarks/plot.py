@@ -52,6 +52,13 @@ def speedup_plot(results: list[dict], path: str, title: str) -> None:
              label="ideal B*T/sum(n)", zorder=3)
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set_yscale("log")
+  # Ticks at plain ratios ("1.5x", "2x"), not the log axis' default "2x10^0",
+  # and no minor-tick labels beside them.
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+  ticks = [0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+  ax.yaxis.set_major_locator(ticker.FixedLocator(ticks))
+  ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+  ax.yaxis.set_minor_formatter(ticker.NullFormatter())
   ax.set_ylabel("speedup over masked scan")
   ax.set_xticks(range(len(case_names)))
   def short(c):
@@ -59,8 +66,11 @@ def speedup_plot(results: list[dict], path: str, title: str) -> None:
     extra = (" tol" if r["tol"] is not None else "") + (" +bwd" if r["grad"] else "")
     return f"{r['block']}\nB={r['batch']} D={r['d']}\n{r['counts']}{extra}"
   ax.set_xticklabels([short(c) for c in case_names], fontsize=7)
-  ax.set_title(title, fontsize=9)
-  ax.legend(fontsize=8)
+  ax.set_title(title, fontsize=9, pad=24)
+  # The legend in one row between the title and the axes, where no bar or
+  # ideal tick can lie under it.
+  ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(impls) + 1,
+            frameon=False, markerscale=0.4)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)

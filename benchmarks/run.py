@@ -10,9 +10,10 @@ on the cases of `benchmarks/cases.py`; checks each against the masked scan and
 exits non-zero on a mismatch; prints per case the median time, the speedup vs
 the masked scan and vs vmap(while_loop), the ideal speedup B*max_iters/sum(n_i),
 the fraction of it achieved and the work efficiency (useful row-steps / row-
-steps computed). The quick suite is the issue's CPU target (B=1024, D=64,
-uniform[1,64] and recurrent-depth-like counts, tanh RNN and residual MLP), a
-halting DEQ layer and a forward+backward case; then the gradient-mode table of
+steps computed), each case's rows as it finishes; then one line saying whether
+every implementation matched. The quick suite: B=1024, D=64, uniform[1,64] and
+recurrent-depth-like counts, tanh RNN and residual MLP, a halting DEQ layer and
+a forward+backward case; then the gradient-mode table of
 `benchmarks/grad_modes.py` (time and compiled memory of jit(grad) per mode vs
 the masked scan's; skip with --no-grad-modes).
 """
@@ -50,23 +51,35 @@ def main(argv=None) -> int:
 
   start = time.time()
   device = jax.devices()[0]
+  suite = cases.SUITES[args.suite]()
   print(f"pallas_loop benchmarks ({args.suite}): JAX {jax.__version__}, device "
-        f"{device.device_kind} ({jax.default_backend()}); medians of {args.repeats} "
-        "round-robin calls; ratios within this run.")
+        f"{device.device_kind} ({jax.default_backend()}); {len(suite)} cases, each "
+        f"compiled, checked against the masked scan and timed (applications chained "
+        f"inside one jit, medians of {args.repeats} round-robin calls; ratios within "
+        "this run). Columns:")
+  print(harness.COLUMNS)
+  print()
+  # Each case's rows are printed as it finishes (a case takes seconds).
+  harness.print_header()
   results = []
-  for case in cases.SUITES[args.suite]():
-    results += harness.run_case(case, impls, args.repeats)
-  harness.print_table(results)
+  for case in suite:
+    rows = harness.run_case(case, impls, args.repeats)
+    harness.print_rows(rows)
+    results += rows
   grad_rows = []
   if not args.no_grad_modes:
-    print("\nForward+backward per gradient mode (jit(grad(loss)), vs the masked scan's):")
+    print("\nForward+backward per gradient mode (jit(grad(loss)), vs the masked scan's):",
+          flush=True)
     grad_impls = [i for i in impls if i in ("xla", "pallas")]
     grad_cases = (grad_modes.scaled_cases(16, 16) if args.suite == "smoke"
                   else grad_modes.DEFAULT_CASES)
-    grad_rows = grad_modes.run_all(grad_impls, args.repeats, cases=grad_cases)
-    grad_modes.print_table(grad_rows)
+    grad_modes.print_header()
+    for grad_case in grad_cases:
+      rows = grad_modes.run_case(grad_case, grad_impls, args.repeats)
+      grad_modes.print_rows(rows)
+      grad_rows += rows
+    grad_modes.print_legend()
   seconds = time.time() - start
-  print(f"total {seconds:.0f} s")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(jax=jax.__version__, device=device.device_kind,
@@ -88,7 +101,44 @@ def main(argv=None) -> int:
   for r in bad_grads:
     print(f"MISMATCH: {r['impl']} gradient on {r['case']}: relative difference "
           f"{r['rel_diff_vs_ref']:.3e}", file=sys.stderr)
+  print(check_summary(results, grad_rows))
+  print(f"total {seconds:.0f} s")
   return 1 if bad or bad_grads else 0
+
+
+def check_summary(results: list[dict], grad_rows: list[dict]) -> str:
+  """The run's verdict in one line: did every implementation match the reference?
+
+  Args:
+    results: `harness.run_case` rows (the masked scan's own rows included).
+    grad_rows: `grad_modes.run_case` rows (may be empty).
+
+  Returns:
+    "check: every implementation matched ..." with the largest errors, or
+    "check: N MISMATCHES ..." naming how many.
+
+  Example:
+    >>> row = dict(impl="xla", case="c", ok=True, max_error=0.0)
+    >>> check_summary([dict(row, impl="masked_scan"), row], [])
+    'check: every implementation matched the masked scan: 1 case, 1 implementation, largest scaled error 0'
+  """
+  compared = [r for r in results if r["impl"] != "masked_scan"]
+  checked_grads = [r for r in grad_rows if r["checked"]]
+  bad = [r for r in compared if not r["ok"]] + [r for r in checked_grads if not r["ok"]]
+  if bad:
+    return (f"check: {len(bad)} MISMATCHES against the masked scan (listed above); "
+            "the figures of those rows mean nothing")
+  n_cases = len({r["case"] for r in compared})
+  n_impls = len({r["impl"] for r in compared})
+  line = (f"check: every implementation matched the masked scan: {n_cases} "
+          f"case{'s' * (n_cases != 1)}, {n_impls} implementation{'s' * (n_impls != 1)}, "
+          f"largest scaled error {max((r['max_error'] for r in compared), default=0):.2g}")
+  if checked_grads:
+    worst = max(r.get("rel_diff_vs_ref_at_own_steps", r["rel_diff_vs_ref"])
+                for r in checked_grads)
+    line += (f"; {len(checked_grads)} exact gradients matched the reference's "
+             f"(largest relative difference {worst:.2g})")
+  return line
 
 
 if __name__ == "__main__":

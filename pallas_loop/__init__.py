@@ -1,9 +1,9 @@
 """pallas_loop: apply a block a different number of times per example, fused.
 
 `iterate(step, params, h0, x, iters=..., max_iters=...)` runs `step` on each
-row of the state its own number of times, inside one Pallas kernel (Triton on
-GPU, Mosaic on TPU) or an XLA loop, differentiably; `options=Options(...)`
-says how to run it.
+row of the state its own number of times, inside one Pallas kernel (Mosaic on
+TPU, run on a TPU v5e; Triton on GPU, compiled deviceless but not yet run on a
+GPU) or an XLA loop, differentiably; `options=Options(...)` says how to run it.
 
 The public surface is what this module exports; everything under
 `pallas_loop._src` is internal and may change.

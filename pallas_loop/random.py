@@ -201,7 +201,9 @@ def key_data(key: jax.Array) -> jax.Array:
       raise ValueError(
           f"key must be a single PRNG key, got a batch of keys with {key.shape=}: "
           "pass one key (e.g. jax.random.key(0)); per-row, per-step keys are "
-          "derived from it (pallas_loop.random.step_keys).")
+          "derived from it (pallas_loop.random.step_keys). To give each example "
+          "its own key under jax.vmap, map over the batch of keys (in_axes=0): "
+          "inside, iterate sees one key per example.")
     words = jnp.ravel(jax.random.key_data(key)).astype(jnp.uint32)
   else:
     if isinstance(key, (bool, int, float, np.number)) or not hasattr(key, "dtype"):

@@ -125,6 +125,10 @@ class Comparison:
     n_bad: how many rows/elements fail in all.
     n_total: how many rows/elements were compared.
     by_row: whether `bad` lists rows (True) or element indices (False).
+    scale: `max(1, max|want|)` over the leaf, the factor of `atol`.
+    margin: the largest `|got - want| / (atol * scale + rtol * |want|)` over
+      the elements: at most 1 where every element passes (0 when all are
+      equal; inf where an element differs and its allowance is 0).
   """
 
   name: str
@@ -138,23 +142,39 @@ class Comparison:
   n_bad: int = 0
   n_total: int = 0
   by_row: bool = True
+  scale: float = 1.0
+  margin: float = 0.0
 
   @property
   def ok(self) -> bool:
     return self.n_bad == 0
 
+  def rule(self) -> str:
+    """The test every element is held to, with this leaf's numbers."""
+    if self.rtol == 0 and self.atol == 0:
+      return "got == want"
+    return (f"|got - want| <= {self.atol:g}*{self.scale:.3g} + {self.rtol:g}*|want| "
+            "(atol*max(1, max|want|) + rtol*|want|)")
+
   def describe(self) -> str:
-    """One line: what differs, where, and by how much."""
+    """One line: the rule, whether it held, where not, and by how much.
+
+    A passing leaf names the rule that passed and how much of its allowance
+    the worst element used, since its `max rel err` alone may exceed `rtol`
+    (an element near 0 is judged on the leaf's scale, not its own).
+    """
     what = "rows" if self.by_row else "elements"
     head = f"{self.name} ({self.dtype}{list(self.shape)}): "
-    if self.ok:
-      head += "ok"
+    if self.ok and self.rtol == 0 and self.atol == 0:
+      head += f"ok: {self.rule()}"
+    elif self.ok:
+      head += f"ok: {self.rule()}, the worst element at {self.margin:.2g} of it"
     else:
       listed = ", ".join(str(i) for i in self.bad)
       more = ", ..." if self.n_bad > len(self.bad) else ""
-      head += f"{self.n_bad} of {self.n_total} {what} differ ({what} {listed}{more})"
-    return (f"{head}; max abs err {self.max_abs:.3g}, max rel err {self.max_rel:.3g} "
-            f"(rtol={self.rtol:g}, atol={self.atol:g})")
+      head += (f"{self.n_bad} of {self.n_total} {what} differ ({what} {listed}{more}); "
+               f"allowed: {self.rule()}")
+    return f"{head}; max abs err {self.max_abs:.3g}, max rel err {self.max_rel:.3g}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +219,11 @@ def _compare(name: str, got: Any, want: Any, *, rtol: float | None, atol: float 
   diff = np.where(same, 0.0, np.abs(g - w))  # NaN where exactly one side is NaN
   finite_w = np.abs(w[np.isfinite(w)])
   scale = max(1.0, float(finite_w.max())) if finite_w.size else 1.0
-  bad = ~same & ~(diff <= atol * scale + rtol * np.abs(w))
+  allowed = atol * scale + rtol * np.abs(w)
+  bad = ~same & ~(diff <= allowed)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    used = np.where(same, 0.0, np.where(allowed > 0, diff / allowed, np.inf))
+  margin = float(np.max(used)) if used.size else 0.0
   nonzero = same | (w != 0)
   rel = np.where(nonzero & ~same, diff / np.where(w == 0, 1.0, np.abs(w)), 0.0)
   max_abs = float(np.max(diff)) if diff.size else 0.0
@@ -215,7 +239,7 @@ def _compare(name: str, got: Any, want: Any, *, rtol: float | None, atol: float 
                    for i in bad_idx[:_MAX_LISTED])
     n_bad, n_total, by_row = len(bad_idx), int(g.size), False
   return Comparison(name, str(dtype), tuple(want.shape), max_abs, max_rel, rtol, atol,
-                    listed, n_bad, n_total, by_row)
+                    listed, n_bad, n_total, by_row, scale, margin)
 
 
 def _compare_trees(prefix: str, got: Any, want: Any, *, rtol: float | None,
@@ -316,8 +340,8 @@ def check_against_reference(
   Raises:
     AssertionError: some leaf differs beyond tolerance. The message lists
       every such leaf by its pytree path ("output h[1]", "gradient w.r.t.
-      params['w']"), the first differing rows (or parameter elements), and
-      the max abs and max rel error.
+      params['w']"), the first differing rows (or parameter elements), the
+      rule they broke, and the max abs and max rel error.
 
   Examples:
     >>> import jax.numpy as jnp, pallas_loop
@@ -330,7 +354,7 @@ def check_against_reference(
     >>> report = pallas_loop.testing.check_against_reference(
     ...     step, params, h0, x, iters=n, max_iters=4)
     >>> print(report)                 # doctest: +ELLIPSIS
-    output h (float32[16, 8]): ok; max abs err ...
+    output h (float32[16, 8]): ok: |got - want| <= 1e-05*1 + 0.0001*|want| (atol*max(1, max|want|) + rtol*|want|), the worst element at ... of it; max abs err ...
   """
   if "return_info" in kwargs:
     raise TypeError("check_against_reference sets return_info itself; do not pass it.")

@@ -107,6 +107,30 @@ def test_compositions(impl):
                               _grads(reference.iterate, step, params, h0, x, n))
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("mode", ["full", pallas_loop.Truncated(1), pallas_loop.Implicit(),
+                                  pallas_loop.Phantom(1)], ids=str)
+def test_grad_of_vmap_over_a_closed_over_array(impl, mode):
+  """grad(vmap(...)) where each example's step closes over its own (batched)
+  array: the gradient equals the sum of the examples' own, every mode. On JAX
+  0.10 the backward is traced after the vmap's trace ended and retraced a step
+  holding a dead tracer (`jax_versions.BACKWARD_TRACED_AFTER_VMAP`)."""
+  step, params, h0, x = blocks.make("tanh_rnn", 4, 16)
+  bias = jnp.linspace(-0.5, 0.5, 4 * 16).reshape(4, 16)
+  n = jnp.array([3, 1, 4, 2])
+
+  def one(p, h, x_, b, k):
+    closing = lambda p_, h_, xx: 0.5 * step(p_, h_, xx) + 0.1 * jnp.tanh(b)
+    out = pallas_loop.iterate(closing, p, h[None], x_[None], iters=k, max_iters=4, grad=mode,
+                              **cases.IMPLEMENTATIONS[impl])
+    return jnp.sum(jnp.sin(out))
+
+  batch_loss = lambda p: jnp.sum(jax.vmap(one, (None, 0, 0, 0, 0))(p, h0, x, bias, n))
+  looped = lambda p: sum(one(p, h0[i], x[i], bias[i], n[i]) for i in range(4))
+  oracle.assert_trees_close(jax.jit(jax.grad(batch_loss))(params), jax.grad(looped)(params),
+                            what="gradient")
+
+
 def test_counts_get_no_gradient_and_info_is_not_differentiated():
   step, params, h0, x = blocks.make("tanh_rnn", 4, 16)
 

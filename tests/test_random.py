@@ -436,7 +436,7 @@ def _sample_all(data, rows, t, x, dtype):
           prand.uniform(prand.fold_in(keys, 7), shape))
 
 
-def _kernel_call(data, rows, t, x, *, interpret):
+def _kernel_call(data, rows, t, x, *, interpret, compiler_params=None):
   dtype = x.dtype
 
   def kernel(data_ref, rows_ref, t_ref, x_ref, keys_ref, u_ref, n_ref, b_ref, d_ref, f_ref):
@@ -453,7 +453,7 @@ def _kernel_call(data, rows, t, x, *, interpret):
                 pl.BlockSpec((_TB, 1), row), pl.BlockSpec((_TB, _D), row)],
       out_specs=[pl.BlockSpec((_TB, 2), row)] + [pl.BlockSpec((_TB, _D), row)] * 5,
       out_shape=[jax.ShapeDtypeStruct((_B, 2 if i == 0 else _D), dt) for i, dt in enumerate(dtypes)],
-      interpret=interpret, name=_KERNEL_NAME)(data, rows, t, x)
+      interpret=interpret, compiler_params=compiler_params, name=_KERNEL_NAME)(data, rows, t, x)
 
 
 def _kernel_inputs(dtype):
@@ -481,8 +481,14 @@ def test_kernel_lowers(platform, dtype):
   args = _kernel_inputs(dtype)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
-    text = lowering.export_text(functools.partial(_kernel_call, interpret=False), *args,
-                                platform=platform)
+    # Triton's parameters, as the library's GPU kernels pass: without any, a
+    # pallas_call lowers for cuda through Mosaic GPU on JAX 0.10.2 (the
+    # jax_pallas_use_mosaic_gpu default), which rejects this kernel.
+    from jax.experimental.pallas import triton as pl_triton  # pylint: disable=g-import-not-at-top
+    params = pl_triton.CompilerParams() if platform == "cuda" else None
+    text = lowering.export_text(
+        functools.partial(_kernel_call, interpret=False, compiler_params=params), *args,
+        platform=platform)
   assert lowering.kernel_marker(platform) in text
   assert _KERNEL_NAME in text
 

@@ -100,6 +100,25 @@ def _corrupt_h0_gradient():
   return buggy
 
 
+def test_a_passing_leaf_names_the_rule_it_passed(monkeypatch):
+  """A difference within the allowance passes, and the report says by which
+  rule: its max rel err may exceed rtol (an element near 0 is judged on the
+  leaf's scale through atol), so "ok" beside the two errors alone misleads."""
+  step, params, h0, x = _problem("tanh_rnn")
+  monkeypatch.setattr(testing.iterate_lib, "iterate", _corrupt_row(0, 6, 4e-6))
+  report = testing.check_against_reference(step, params, h0, x, iters=COUNTS,
+                                           max_iters=MAX_ITERS,
+                                           options=pallas_loop.Options(implementation="xla"),
+                                           grads=False)
+  (out,) = report.comparisons
+  assert out.ok and 0 < out.margin <= 1, out
+  line = out.describe()
+  assert out.scale > 1  # some |h| > 1: atol is scaled by the leaf's largest value
+  assert line.startswith(f"output h (float32[11, 8]): ok: |got - want| <= 1e-05*{out.scale:.3g} "
+                         "+ 0.0001*|want| (atol*max(1, max|want|) + rtol*|want|), the "
+                         f"worst element at {out.margin:.2g} of it; max abs err"), line
+
+
 def test_detects_forward_difference_names_leaf_and_row(monkeypatch):
   step, params, h0, x = _problem("lstm")
   monkeypatch.setattr(testing.iterate_lib, "iterate", _corrupt_row(1, 6, 0.5))

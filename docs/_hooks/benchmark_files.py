@@ -1,10 +1,11 @@
-"""mkdocs hook: serve benchmarks/'s plot, raw results and compile report with the site.
+"""mkdocs hook: serve benchmarks/'s results, plot and compile report with the site.
 
-The performance page includes benchmarks/RESULTS.md (pymdownx.snippets), whose
+`benchmarks/RESULTS.md` (every measured table) becomes the page `results.md`; its
 links (`speedup_cpu.png`, `results_cpu_quick.json`, `compile_report.md`) are
-relative to benchmarks/. The files are added here at the docs root, beside the
-performance page, so those links and the plot resolve without a second copy in
-the repository.
+relative to benchmarks/, so those files are added beside it at the docs root. One
+copy of each in the repository, served where the pages link to them. RESULTS.md
+links documentation pages as `../docs/PAGE.md` (right where the repository shows
+it); on the site, beside those pages, that is `PAGE.md`.
 """
 
 from __future__ import annotations
@@ -13,13 +14,22 @@ import os
 
 from mkdocs.structure.files import File, Files
 
-FILES = ("speedup_cpu.png", "results_cpu_quick.json", "compile_report.md")
+# benchmarks/ file -> its path in the site.
+FILES = {"RESULTS.md": "results.md", "speedup_cpu.png": "speedup_cpu.png",
+         "results_cpu_quick.json": "results_cpu_quick.json",
+         "compile_report.md": "compile_report.md"}
 
 
 def on_files(files: Files, config) -> Files:
   root = os.path.dirname(os.path.abspath(config["docs_dir"]))   # the repository root
-  for name in FILES:
+  for name, dest in FILES.items():
     path = os.path.join(root, "benchmarks", name)
-    if os.path.exists(path):
-      files.append(File.generated(config, name, abs_src_path=path))
+    if not os.path.exists(path):
+      continue
+    if name == "RESULTS.md":
+      with open(path, encoding="utf-8") as f:
+        text = f.read().replace("](../docs/", "](")
+      files.append(File.generated(config, dest, content=text))
+    else:
+      files.append(File.generated(config, dest, abs_src_path=path))
   return files

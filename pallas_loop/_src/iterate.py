@@ -20,6 +20,7 @@ from pallas_loop._src import dispatch
 from pallas_loop._src import grad_modes
 from pallas_loop._src import hoist as hoist_lib
 from pallas_loop._src import info as info_lib
+from pallas_loop._src import jax_versions
 from pallas_loop._src import loop_reverse
 from pallas_loop._src import options as options_lib
 from pallas_loop import random as random_lib
@@ -257,7 +258,12 @@ def _differentiable(mode: grad_modes.GradMode, ctx: grad_modes.Context,
 
   def run_fwd(ops: LoopOperands) -> tuple[LoopOutputs, grad_modes.Saved]:
     out = ctx.forward(ops)
-    return out, mode.saves(ops, out)
+    saved = mode.saves(ops, out)
+    if jax_versions.BACKWARD_TRACED_AFTER_VMAP:
+      # Trace the backward now, while what step closes over is live; the
+      # backward proper reuses the step's traced shapes (`StepFn.traced`).
+      jax.eval_shape(run_bwd, saved, out)
+    return out, saved
 
   def run_bwd(saved: grad_modes.Saved, cotangents: LoopOutputs) -> tuple[LoopOperands]:
     # Only the state is differentiated (residual, steps and halted are not).

@@ -66,8 +66,8 @@ KERNEL_NAME = "pallas_loop_iterate_fwd_groups"
 # cost (the matrix unit's weights pushed, its pipeline filled and drained:
 # about 120 ns on a v5e, fitted on the tanh RNN at D=128) besides its rows'
 # work, so chunks are as tall as the batch allows, up to 2048 rows (0.30 ns
-# a row-step there, against 0.36 at 1024 and 0.69 at 256; RESULTS.md, "TPU
-# v5e: loop designs"), even though the one masked chunk a step then
+# a row-step there, against 0.36 at 1024 and 0.69 at 256; RESULTS.md, "The
+# loop designs (run A)"), even though the one masked chunk a step then
 # computes more rows that do not run.
 LARGEST_CHUNK = 2048
 SMALLEST_CHUNK = 128

@@ -6,8 +6,9 @@ implementation, one row tile in the kernel) and inside a `custom_vjp` and a
 a `custom_vjp` would silently not differentiate them, a Pallas kernel refuses
 them. So the arrays `step` closes over are found once, by tracing it at the
 batch shape (`trace_step`), and passed along as explicit operands (`consts`)
-next to `params`. Every later call (`StepFn.specialize`) retraces `step` at
-the shape at hand and substitutes those operands for the captured values.
+next to `params`. Every later call (`StepFn.specialize`) traces `step` at
+the shape at hand (once per shape) and substitutes those operands for the
+captured values.
 """
 
 from __future__ import annotations
@@ -229,25 +230,38 @@ class StepFn:
   outer_consts: tuple
   indexed: bool = False  # the step takes its step index (`step_index=True`)
   outputs: bool = False  # the step returns (h_new, y) (`step_outputs=True`)
+  # Each shape `step` was traced at: (jaxpr, out_tree, sources, constants made
+  # inside step), so a later call at that shape does not retrace it (see
+  # `jax_versions.BACKWARD_TRACED_AFTER_VMAP`). One `iterate` call's own.
+  traced: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def specialize(self, params, consts, h, x) -> SpecializedStep:
-    """Traces `step` at the shapes of `h`/`x` and maps its captured arrays."""
-    closed, out_shape = jax.make_jaxpr(self.step, return_shape=True)(
-        avals(params), avals(h), avals(x), *row_index_avals(h))
-    by_id = {id(c): i for i, c in enumerate(self.outer_consts)}
-    values, sources = [], []
-    for c in closed.consts:
-      sources.append(by_id.get(id(c)))
-      if id(c) in by_id:
-        values.append(consts[by_id[id(c)]])
-      elif isinstance(c, jax.core.Tracer):
-        raise ValueError(
-            "step closes over a traced array that it did not capture when "
-            "traced at the batch shape; pass such arrays through `params`.")
-      else:
-        values.append(c)  # a constant created inside step: safe to pass along
-    return SpecializedStep(closed.jaxpr, tuple(values),
-                           tree_util.tree_structure(out_shape), tuple(sources))
+    """Traces `step` at the shapes of `h`/`x` (once per shape) and maps its
+    captured arrays to `consts`."""
+    operands = (avals(params), avals(h), avals(x))
+    leaves, tree = tree_util.tree_flatten(operands)
+    shape_key = (tree, tuple((a.shape, a.dtype) for a in leaves))
+    if shape_key not in self.traced:
+      closed, out_shape = jax.make_jaxpr(self.step, return_shape=True)(
+          *operands, *row_index_avals(h))
+      by_id = {id(c): i for i, c in enumerate(self.outer_consts)}
+      found: list[int | None] = []  # each constant's position in outer_consts
+      kept: list[Any] = []  # each constant, None where it is an outer one
+      for c in closed.consts:
+        found.append(by_id.get(id(c)))
+        if id(c) in by_id:
+          kept.append(None)
+        elif isinstance(c, jax.core.Tracer):
+          raise ValueError(
+              "step closes over a traced array that it did not capture when "
+              "traced at the batch shape; pass such arrays through `params`.")
+        else:
+          kept.append(c)  # a constant created inside step: safe to pass along
+      self.traced[shape_key] = (closed.jaxpr, tree_util.tree_structure(out_shape),
+                                tuple(found), tuple(kept))
+    jaxpr, out_tree, sources, inner = self.traced[shape_key]
+    values = tuple(c if i is None else consts[i] for i, c in zip(sources, inner))
+    return SpecializedStep(jaxpr, values, out_tree, sources)
 
   def __call__(self, params, consts, h, x, t, rows, index):
     spec = self.specialize(params, consts, h, x)

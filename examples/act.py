@@ -144,8 +144,8 @@ def token_batch(key, batch, seq):
 
 
 def act_forward(block, params, s0, x, args, iterate=pallas_loop.iterate):
-  a = halting.act(block, max_steps=args.max_steps, eps=args.eps)
-  return iterate(a.step, params, a.init(params, s0, x), x, max_iters=a.max_steps,
+  a = halting.act(block, max_iters=args.max_steps, eps=args.eps)
+  return iterate(a.step, params, a.init(params, s0, x), x, max_iters=a.max_iters,
                  halt=a.halt)
 
 
@@ -189,10 +189,10 @@ def check_against_oracle(block, params, batch_fn, args, iterate):
   """max |output - oracle| and whether N agrees, the oracle being reference.iterate
   (a masked lax.scan over max_steps) with the same ACT step and halt."""
   s0, x, _ = batch_fn(jax.random.key(args.seed + 1))
-  a = halting.act(block, max_steps=args.max_steps, eps=args.eps)
+  a = halting.act(block, max_iters=args.max_steps, eps=args.eps)
   h0 = a.init(params, s0, x)
-  got = iterate(a.step, params, h0, x, max_iters=a.max_steps, halt=a.halt)
-  want = reference.iterate(a.step, params, h0, x, max_iters=a.max_steps, halt=a.halt)
+  got = iterate(a.step, params, h0, x, max_iters=a.max_iters, halt=a.halt)
+  want = reference.iterate(a.step, params, h0, x, max_iters=a.max_iters, halt=a.halt)
   return (float(jnp.max(jnp.abs(got.output - want.output))),
           bool(jnp.all(got.steps == want.steps)))
 

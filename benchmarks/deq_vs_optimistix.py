@@ -70,7 +70,7 @@ def ours(tol: float, max_steps: int):
   def solve(params, x):
     h0 = jnp.zeros((x.shape[0], params["w"].shape[0]))
     h, info = deq.fixed_point(layer, params, h0, x,
-                              solver=deq.Anderson(m=5), tol=tol, max_steps=max_steps,
+                              solver=deq.Anderson(m=5), tol=tol, max_iters=max_steps,
                               on_failure="ignore", return_info=True, implementation="xla")
     return h, info.steps, info.converged
 

@@ -534,9 +534,11 @@ def test_solvers_by_name():
       _layer, params, jnp.zeros((B, D)), x, solver=deq.Broyden(), tol=1e-5, max_iters=60))
 
 
-def test_unrolled_through_broyden_tends_to_the_implicit_gradient():
-  """Backpropagating through Broyden's steps (its inverse Jacobian held constant)
-  gives the implicit gradient once the solve has converged."""
+def test_unrolled_through_broyden_runs_and_is_close_here():
+  """Backpropagating through Broyden's steps (its inverse Jacobian held constant) works;
+  on this 6-row problem it is close to the implicit gradient. (Not in general: where
+  the steps left directions unexplored the unrolled tangent is plain iteration, which
+  diverges on a non-contractive map; the docs give the example's figures.)"""
   params, x = _problem()
   h0 = jnp.zeros((B, D))
   g = jnp.asarray(np.random.RandomState(6).randn(B, D), jnp.float32)
@@ -686,7 +688,7 @@ def test_example_trains_a_non_contractive_deq(capsys):
   assert module.main(["--quick"]) == 0
   out = capsys.readouterr().out
   assert "spectral radius of W at init: 1.20" in out and "OK" in out
-  assert "implicit: loss" in out and "unrolled: loss" in out
+  assert "implicit: loss" in out and "unrolled, Anderson(m=5): loss" in out
 
 
 @pytest.mark.parametrize("solver", [deq.Anderson(m=5), deq.Broyden(m=8)])

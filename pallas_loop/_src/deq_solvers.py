@@ -307,9 +307,11 @@ class Broyden(Solver):
 
   The Jacobian approximation is a constant of the backward when gradients
   flow through the solver's steps (`UnrolledAdjoint`): the unrolled
-  gradient is that of the steps z - H g(z) with H fixed, which tends to the
-  implicit one as the solve converges. State per row: 2m + 2 vectors of D
-  and one number.
+  gradient is that of the steps z - H g(z) with H fixed. In directions the
+  steps never explored H is -I and the unrolled tangent iteration is plain
+  iteration, which diverges where the map is not a contraction: use the
+  implicit gradient (the default) with this solver (the docs' DEQ page has
+  the measurements). State per row: 2m + 2 vectors of D and one number.
 
   Attributes:
     m: the most rank-one terms kept before a restart (static int >= 1).

@@ -550,7 +550,7 @@ def fixed_point(
     z, info = solve_rows(fmap, shared, z0, per_row, threshold, solver, max_iters, run_kw,
                          grad="full")
   else:
-    probe = adjoint_probe if adjoint_probe is not None else adjoint_probe_zeros(batch)
+    probe = adjoint_probe if adjoint_probe is not None else _unread_probe(batch)
     z, info = _implicit(fmap, solver, max_iters, run_kw, tol, on_failure, adjoint, site)(
         shared, z0, per_row, threshold, probe)
   _report("forward", on_failure, _tolerance("forward", tol), max_iters, info, site)
@@ -560,8 +560,9 @@ def fixed_point(
   return (h, info) if return_info else h
 
 
-def adjoint_probe_zeros(batch: int) -> SolveInfo:
-  """A probe nobody reads (the custom_vjp takes one either way)."""
+def _unread_probe(batch: int) -> SolveInfo:
+  """A probe nobody reads (the custom_vjp takes one either way; `fixed_point`'s
+  keyword of the same name hides the module's `adjoint_probe` there)."""
   return adjoint_probe(batch)
 
 

@@ -1,7 +1,8 @@
 """Compile `deq.fixed_point`'s solves with the real backend compilers, deviceless.
 
     pip install -e ".[compile-check]"
-    python -m benchmarks.deq_compile [--solvers broyden20,anderson5] [--targets h200,v5e]
+    JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 ALLOW_MULTIPLE_LIBTPU_LOAD=1 \
+        python -m benchmarks.deq_compile [--solvers broyden20,anderson5] [--targets h200,v5e]
 
 `jit(value_and_grad)` of `deq.fixed_point` (implicit adjoint: a forward and an
 adjoint solve) of h = tanh(h W + x), B = 4096 rows, D = 128, float32, tol 1e-4,
@@ -12,7 +13,8 @@ or the XLA loop with the warning that says why) and `implementation="pallas"`
 kernels the lowered module holds (2: the forward and the adjoint solve ran as
 kernels), the scoped VMEM Mosaic gave each kernel (TPU), the library's
 warnings and the error if any. The topologies and the VMEM reading are
-`benchmarks.compile_check`'s.
+`benchmarks.compile_check`'s, and so is the environment above (its workers'
+`_environment`).
 """
 
 from __future__ import annotations

@@ -255,7 +255,8 @@ class Anderson(Solver):
   def _mix(self, zs: tuple, fs: tuple, filled: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The Anderson point of the window and whether its solve was finite, per row."""
     m = self.m
-    dtype = jnp.promote_types(zs[0].dtype, jnp.float32)
+    # float32 or wider (promote_types would refuse float64 under strict promotion).
+    dtype = zs[0].dtype if jnp.finfo(zs[0].dtype).bits >= 32 else jnp.dtype(jnp.float32)
     valid = [filled > i for i in range(m)]                       # m x [R] bool
     gs = [(f_i - z_i).astype(dtype) for z_i, f_i in zip(zs, fs)]  # m x [R, D]
     dots = {(i, j): _row_dot(gs[i], gs[j]) for i in range(m) for j in range(i, m)}
@@ -342,18 +343,20 @@ class Broyden(Solver):
     Returns:
       (us, vs, z_prev, g_prev, count): m-tuples of [R, D] (the terms, newest
       first), the last iterate and residual [R, D], and the number of terms
-      in use ([R]; -1 before the first step).
+      in use ([R, 1]; -1 before the first step).
     """
     zeros = jnp.zeros_like(z)
+    # Per-row scalars are [R, 1] columns here, so that no [R] boolean is ever
+    # reshaped to a column: Mosaic (TPU) rejects that shape cast.
     return (tuple(zeros for _ in range(self.m)), tuple(zeros for _ in range(self.m)), zeros,
-            zeros, jnp.full(z.shape[:1], -1.0, z.dtype))
+            zeros, jnp.full(z.shape[:1] + (1,), -1.0, z.dtype))
 
   @staticmethod
   def _apply(us: tuple, vs: tuple, a: jax.Array) -> jax.Array:
     """H a = -a + sum_i u_i (v_i . a), per row."""
     out = -a
     for u, v in zip(us, vs):
-      out = out + u * _row_dot(v, a)[:, None]
+      out = out + u * _row_dot_col(v, a)
     return out
 
   @staticmethod
@@ -361,7 +364,7 @@ class Broyden(Solver):
     """H^T a = -a + sum_i v_i (u_i . a), per row."""
     out = -a
     for u, v in zip(us, vs):
-      out = out + v * _row_dot(u, a)[:, None]
+      out = out + v * _row_dot_col(u, a)
     return out
 
   def update(self, state: Any, z: jax.Array, fz: jax.Array) -> tuple[jax.Array, Any]:
@@ -369,24 +372,28 @@ class Broyden(Solver):
     us, vs, z_prev, g_prev, count = state
     g = fz - z
     # Full: restart from -I before adding the new term.
-    full = count >= self.m
-    us = tuple(jnp.where(full[:, None], jnp.zeros_like(u), u) for u in us)
-    vs = tuple(jnp.where(full[:, None], jnp.zeros_like(v), v) for v in vs)
+    full = count >= self.m                                       # [R, 1]
+    us = tuple(jnp.where(full, jnp.zeros_like(u), u) for u in us)
+    vs = tuple(jnp.where(full, jnp.zeros_like(v), v) for v in vs)
     count = jnp.where(full, jnp.zeros_like(count), count)
     dz, dg = z - z_prev, g - g_prev
     v = self._apply_t(us, vs, dz)
-    denom = _row_dot(v, dg)
-    u = (dz - self._apply(us, vs, dg)) / jnp.where(denom == 0, jnp.ones_like(denom), denom)[:, None]
-    ok = ((count >= 0) & (denom != 0) & jnp.isfinite(jnp.sum(u, axis=-1))
-          & jnp.isfinite(jnp.sum(v, axis=-1)))
-    keep = lambda new, old: jnp.where(ok[:, None], new, old)
-    us = tuple(keep(a, b) for a, b in zip((u,) + us[:-1], us))
-    vs = tuple(keep(a, b) for a, b in zip((v,) + vs[:-1], vs))
+    denom = _row_dot_col(v, dg)                                  # [R, 1]
+    u = (dz - self._apply(us, vs, dg)) / jnp.where(denom == 0, jnp.ones_like(denom), denom)
+    ok = ((count >= 0) & (denom != 0) & jnp.isfinite(jnp.sum(u, axis=-1, keepdims=True))
+          & jnp.isfinite(jnp.sum(v, axis=-1, keepdims=True)))
+    us = tuple(jnp.where(ok, a, b) for a, b in zip((u,) + us[:-1], us))
+    vs = tuple(jnp.where(ok, a, b) for a, b in zip((v,) + vs[:-1], vs))
     count = jnp.where(ok, count + 1, jnp.maximum(count, 0))
     hs = [jax.lax.stop_gradient(t) for t in us], [jax.lax.stop_gradient(t) for t in vs]
     z_next = z - self._apply(*hs, g)
-    z_next = jnp.where(jnp.isfinite(jnp.sum(z_next, axis=-1))[:, None], z_next, fz)
+    z_next = jnp.where(jnp.isfinite(jnp.sum(z_next, axis=-1, keepdims=True)), z_next, fz)
     return z_next, (us, vs, z, g, count)
+
+
+def _row_dot_col(a: jax.Array, b: jax.Array) -> jax.Array:
+  """[R, D] x [R, D] -> [R, 1]: the per-row inner product as a column."""
+  return jnp.sum(a * b, axis=-1, keepdims=True)
 
 
 def _row_rms(a: jax.Array) -> jax.Array:

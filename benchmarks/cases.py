@@ -165,6 +165,26 @@ def gpu_suite(batch: int = 4096) -> tuple[Case, ...]:
   return tuple(out)
 
 
+def tpu_suite() -> tuple[Case, ...]:
+  """`gpu_check` on a TPU: the speed issue's cases. The tanh RNN (D=128,
+  bf16) at B=32768 and 4096 with constant, uniform and recurrent-depth
+  counts; the GRU, LSTM and residual MLP at B=32768 (constant and uniform
+  counts: how near the loop is to the matrix unit's bound); a batch whose
+  state does not fit VMEM (B=262144); and jax.grad of the tanh RNN at
+  B=32768. In priority order: a run cut short by its budget keeps the
+  first."""
+  out = [_case("tanh_rnn", batch, 128, counts, dtype="bfloat16")
+         for batch in (32768, 4096) for counts in ("constant", "uniform", "recurrent_depth")]
+  out += [_case(block, 32768, 128, "constant", dtype="bfloat16")
+          for block in ("gru", "lstm", "residual_mlp")]
+  out.append(_case("tanh_rnn", 262144, 128, "uniform", dtype="bfloat16"))
+  out.append(_case("tanh_rnn", 32768, 128, "recurrent_depth", dtype="bfloat16", grad="full"))
+  out += [_case(block, 32768, 128, "uniform", dtype="bfloat16")
+          for block in ("gru", "lstm", "residual_mlp")]
+  out.append(_case("tanh_rnn", 32768, 128, "constant", dtype="bfloat16", grad="full"))
+  return tuple(out)
+
+
 def smoke_suite() -> tuple[Case, ...]:
   """Tiny cases that run anywhere in seconds (tests, `gpu_check --smoke`)."""
   return (
@@ -175,5 +195,5 @@ def smoke_suite() -> tuple[Case, ...]:
   )
 
 
-SUITES = {"quick": lambda: QUICK, "full": full_suite, "gpu": gpu_suite,
+SUITES = {"quick": lambda: QUICK, "full": full_suite, "gpu": gpu_suite, "tpu": tpu_suite,
           "smoke": smoke_suite}

@@ -269,7 +269,8 @@ def _items(args) -> Iterator[tuple[str, Callable[[], list[dict]]]]:
     yield (f"design {block} B={design_batches[0]} fwd+bwd",
            lambda block=block: design_variants(block, design_batches[0], design_d, design_t,
                                                design_repeats, grad=True))
-  suite = list(cases.smoke_suite() if args.smoke else cases.gpu_suite())
+  suite = list(cases.smoke_suite() if args.smoke else
+               cases.tpu_suite() if jax.default_backend() == "tpu" else cases.gpu_suite())
   repeats = 1 if args.smoke else args.repeats
   first = [c for c in suite if c.d <= 128]
   later = [c for c in suite if c.d > 128]
@@ -311,6 +312,8 @@ def main(argv=None) -> int:
   parser.add_argument("--skip", action="append", default=[], metavar="PREFIX",
                       help="leave out the items whose name starts with this (repeatable), "
                            "e.g. a rerun's already measured sweep")
+  parser.add_argument("--only", action="append", default=[], metavar="PREFIX",
+                      help="run only the items whose name starts with this (repeatable)")
   args = parser.parse_args(argv)
 
   start = time.time()
@@ -331,6 +334,9 @@ def main(argv=None) -> int:
   for name, run in _items(args):
     if any(name.startswith(prefix) for prefix in args.skip):
       write({"item": "skipped", "name": name, "reason": "--skip"})
+      continue
+    if args.only and not any(name.startswith(prefix) for prefix in args.only):
+      write({"item": "skipped", "name": name, "reason": "--only"})
       continue
     elapsed = time.time() - start
     if elapsed > args.budget:

@@ -5,15 +5,26 @@ same inputs, so the printed figures are ratios within one run:
 
   masked_scan   `reference.iterate`: lax.scan over max_iters, jnp.where masking
                 (what the user's second question does; every row pays max_iters)
+  hoisted_scan  the same scan with the block's state-independent work (`x U +
+                b`) computed once before it, by hand (`blocks.Block.hoisted`):
+                what a careful user writes instead (blocks that have such work)
   vmap_while    jax.vmap of a per-row lax.while_loop (pays for the slowest row;
                 no reverse-mode gradient)
   xla           pallas_loop.iterate(implementation="xla")
   pallas        pallas_loop.iterate(implementation="pallas") (interpret mode on
                 CPU: a correctness vehicle there, not a speed claim)
 
+Timing measures the device, not the host (`device_timing.py`): each
+implementation is applied `chain` times inside one jit, the state fed back
+and each application on its own (rolled) inputs, and the per-call floor
+divided by the chain (a jitted call's host round trip, measured beside) is
+subtracted; the floor is reported with every row.
+
 Per case: median time, speedup vs the masked scan and vs vmap(while_loop),
-the ideal speedup, the fraction of it achieved, and the work efficiency
-(useful row-steps / row-steps computed, `rows_computed`). Forward+backward
+ns per useful row-step and its ratio to the matrix unit's bound for the
+block (on a chip whose bf16 peak is known), the ideal speedup, the fraction
+of it achieved, and the work efficiency (useful row-steps / row-steps
+computed, `rows_computed`). Forward+backward
 cases (`Case.grad`) time jax.grad of the sum of the output; vmap(while_loop)
 has no reverse-mode gradient and is left out there.
 
@@ -35,13 +46,14 @@ import numpy as np
 import pallas_loop
 from pallas_loop import tuning
 from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import backend_mosaic_tpu
+from pallas_loop._src import kernel_tpu_groups
 from pallas_loop._src import backend_triton
 from pallas_loop._src import xla_backward
 from pallas_loop._src import xla_forward
 from pallas_loop import _reference as reference
 from benchmarks import blocks
 from benchmarks import cases
+from benchmarks import device_timing
 
 
 # Dense bf16 tensor-core peak (TFLOP/s) from the vendor's data sheet, not measured:
@@ -87,8 +99,17 @@ def vmap_while(step, params, h0, x, *, iters, max_iters, tol=None):
   return jax.vmap(one_row)(h0, x, n)
 
 
+def hoisted_scan(step, params, h0, x, **kwargs):
+  """The masked scan of `step` hoisted by hand (`blocks.Block.hoisted`): its
+  state-independent inputs computed once, then the scan of the step that
+  takes them."""
+  pre, hoisted_step = blocks.hoisted_form(step)
+  return reference.iterate(hoisted_step, params, h0, pre(params, x), **kwargs)
+
+
 IMPLEMENTATIONS: dict[str, Callable] = {
     "masked_scan": reference.iterate,
+    "hoisted_scan": hoisted_scan,
     "vmap_while": vmap_while,
     "xla": lambda *a, **k: pallas_loop.iterate(*a, implementation="xla", **k),
     "pallas": lambda *a, **k: pallas_loop.iterate(*a, implementation="pallas", **k),
@@ -99,8 +120,11 @@ Case = cases.Case
 count_distribution = cases.count_distribution
 
 
-# One timing routine for the library's tuner and the benchmarks.
+# One timing routine for the library's tuner and the call-by-call benchmarks.
 median_seconds = tuning.median_seconds
+
+# Applications per timed jit call (`device_timing.chained_seconds`).
+CHAIN = 16
 
 
 def max_error(got, want) -> float:
@@ -134,7 +158,7 @@ def pallas_block_rows(batch: int) -> int:
   if platform == "gpu":
     return backend_triton.TRITON.default_block_rows(batch)
   if platform == "tpu":
-    return backend_mosaic_tpu.MOSAIC_TPU.default_block_rows(batch)
+    return kernel_tpu_groups.default_chunk_rows(batch)
   return backend_lib.INTERPRET.default_block_rows(batch)
 
 
@@ -169,22 +193,41 @@ def bucketed_rows_computed(steps, sizes: tuple[int, ...] | None = None) -> int:
   return int(sum(bucket_for(int(a), sizes) for a in active))
 
 
+def chunked_rows_computed(steps, chunk: int) -> int:
+  """Row-steps the TPU's group kernel computes: at trip t the a_t rows still
+  running (a prefix of the sorted rows) in whole chunks of `chunk` rows
+  (groups ignored: at most a chunk a group more).
+
+  Example:
+    >>> chunked_rows_computed(np.array([3, 1, 1, 2]), 2)
+    8
+  """
+  steps = np.asarray(steps).reshape(-1)
+  if steps.size == 0:
+    return 0
+  hist = np.bincount(steps, minlength=int(steps.max()) + 1)
+  active = steps.size - np.cumsum(hist)[:-1]
+  return int(sum(-(-int(a) // chunk) * chunk for a in active))
+
+
 def rows_computed(impl: str, counts: np.ndarray, steps: np.ndarray, max_iters: int,
                   block_rows: int) -> int:
   """Row-steps an implementation computes (the denominator of work efficiency).
 
-  masked_scan: every row, every one of max_iters steps. vmap_while: every row
+  masked_scan (and hoisted_scan): every row, every one of max_iters steps. vmap_while: every row
   until the slowest is done (a batched while_loop). xla: the bucketed stages
   (`bucketed_rows_computed`). pallas: each tile of `block_rows` rows, after
   ordering by descending count, runs until its slowest row is done.
   """
   batch = counts.size
-  if impl == "masked_scan":
+  if impl in ("masked_scan", "hoisted_scan"):
     return batch * max_iters
   if impl == "vmap_while":
     return batch * int(steps.max(initial=0))
   if impl == "xla":
     return bucketed_rows_computed(steps)
+  if impl == "pallas" and jax.default_backend() == "tpu":
+    return chunked_rows_computed(steps, block_rows)
   if impl == "pallas":
     order = np.argsort(-counts, kind="stable")
     s = steps[order]
@@ -198,10 +241,14 @@ def _applicable(case: Case) -> list[str]:
   names = list(case.impls or IMPLEMENTATIONS)
   if case.grad is not None:  # vmap(while_loop) has no reverse-mode gradient
     names = [n for n in names if n != "vmap_while"]
+  if blocks.BLOCKS[case.block].hoisted is None:  # nothing to hoist by hand
+    names = [n for n in names if n != "hoisted_scan"]
   return names
 
 
 def _make_fn(case: Case, name: str, step, halting):
+  """fn(params, h0, x, iters) -> the output (forward) or the gradients
+  w.r.t. (params, h0) of the sum of the output (`case.grad`)."""
   impl = IMPLEMENTATIONS[name]
   extra = {}
   if case.grad is not None and name in ("xla", "pallas"):
@@ -209,10 +256,27 @@ def _make_fn(case: Case, name: str, step, halting):
   run = lambda p, h, x_, k: impl(step, p, h, x_, iters=k, max_iters=case.max_iters,
                                  **halting, **extra)
   if case.grad is None:
-    return jax.jit(run)
+    return run
   loss = lambda p, h, x_, k: sum(jnp.sum(a.astype(jnp.float32))
                                  for a in jax.tree.leaves(run(p, h, x_, k)))
-  return jax.jit(jax.grad(loss, argnums=(0, 1)))
+  return jax.grad(loss, argnums=(0, 1))
+
+
+def _chained(case: Case, fn, params):
+  """apply(h, inputs) -> h for `device_timing.chained_seconds`: one
+  application of `fn` on `inputs` ({"x", "iters"}), its result folded into
+  the next application's state. A gradient is folded in multiplied by 0
+  (not simplified away for floats), so the whole gradient is computed."""
+  if case.grad is None:
+    return lambda h, r: fn(params, h, r["x"], r["iters"])
+
+  def apply(h, r):
+    g_params, g_h = fn(params, h, r["x"], r["iters"])
+    touch = sum(jnp.ravel(a)[0].astype(jnp.float32) for a in jax.tree.leaves(g_params))
+    return jax.tree.map(lambda a, g: a + (0 * (g.astype(jnp.float32) + touch)).astype(a.dtype),
+                        h, g_h)
+
+  return apply
 
 
 def _grouped_row_steps(steps, group: int) -> int:
@@ -222,16 +286,18 @@ def _grouped_row_steps(steps, group: int) -> int:
   return int(sum(group * int(ordered[i]) for i in range(0, ordered.size, group)))
 
 
-def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0) -> list[dict]:
+def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0,
+             chain: int | None = None) -> list[dict]:
   """Times and checks the implementations on one case; one dict per impl.
 
-  The implementations are timed round-robin (one call of each per round,
-  `repeats` rounds) so a burst of load on a shared machine hits them alike;
-  times are medians. Every output (the gradients, for a fwd+bwd case) is
-  checked against the masked scan's.
+  Every output (the gradients, for a fwd+bwd case) is checked against the
+  masked scan's, from one call of each. Times are per application, inside
+  one jit (`device_timing.chained_seconds`, `chain` applications, default
+  `CHAIN`), the floor subtracted; medians of `repeats` calls.
   """
   names = [n for n in _applicable(case) if impls is None or n in impls]
   names = ["masked_scan"] + [n for n in names if n != "masked_scan"]
+  chain = CHAIN if chain is None else chain
   step, params, h0, x = blocks.make(case.block, case.batch, case.d, jnp.dtype(case.dtype),
                                     jax.random.key(seed))
   counts = count_distribution(case.counts, case.batch, case.max_iters, seed)
@@ -242,29 +308,33 @@ def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0) -> list[di
                                        **halting)[1].steps)
   useful = int(steps.sum())  # with halting: the steps rows took to converge
   ideal = case.batch * case.max_iters / max(useful, 1)
-  flops = useful * blocks.BLOCKS[case.block].flops_per_row_step(case.d)
+  block = blocks.BLOCKS[case.block]
+  flops = useful * block.flops_per_row_step(case.d)
   if case.grad is not None:
     flops *= 3  # backward ~ 2x forward, plus the forward
+  kind = jax.devices()[0].device_kind
+  loop_flops = (block.loop_flops_per_row_step or block.flops_per_row_step)(case.d)
+  bound_ns = device_timing.bound_ns_per_row_step(loop_flops * (3 if case.grad else 1), kind)
   block_rows = pallas_block_rows(case.batch)
   fns, compile_seconds = {}, {}
   for n in names:
     # Lowering (tracing included) + compilation, as a user's first call pays.
     start = time.perf_counter()
-    fns[n] = _make_fn(case, n, step, halting).lower(params, h0, x, iters).compile()
+    fns[n] = jax.jit(_make_fn(case, n, step, halting)).lower(params, h0, x, iters).compile()
     compile_seconds[n] = time.perf_counter() - start
   outs = {n: jax.block_until_ready(fn(params, h0, x, iters)) for n, fn in fns.items()}
-  times = {n: [] for n in names}
-  for _ in range(max(1, repeats)):
-    for n, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn(params, h0, x, iters))
-      times[n].append(time.perf_counter() - start)
+  floor = device_timing.floor_seconds(h0, repeats)
+  times, chains = {}, {}
+  for n in names:
+    times[n], chains[n] = device_timing.chained_seconds(
+        _chained(case, _make_fn(case, n, step, halting), params), h0, {"x": x, "iters": iters},
+        chain=chain, repeats=repeats, floor=floor)
   tol = tolerance(case.dtype, case.max_iters)  # errors scaled (`max_error`): gradients too
   results = []
   for n in names:
     err = max_error(outs[n], outs["masked_scan"])
     computed = rows_computed(n, counts, steps, case.max_iters, block_rows)
-    if case.grad is not None and n != "masked_scan":
+    if case.grad is not None and n not in ("masked_scan", "hoisted_scan"):
       # grad="full" recomputes the forward and runs the reverse loop: 2 row-
       # steps per row and step, over row groups (XLA) or tiles (pallas)
       # ordered by count, each to its own largest count.
@@ -273,11 +343,14 @@ def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0) -> list[di
       computed += 2 * _grouped_row_steps(steps, group)
     elif case.grad is not None:  # autodiff of the scan: reverse over every step
       computed *= 2
-    seconds = statistics.median(times[n])
+    seconds = times[n]
+    ns = device_timing.ns_per_row_step(seconds, steps)
     results.append(dict(
         case=case.label, block=case.block, batch=case.batch, d=case.d,
         max_iters=case.max_iters, counts=case.counts, dtype=case.dtype, tol=case.tol,
-        grad=case.grad, impl=n, seconds=seconds, min_seconds=min(times[n]),
+        grad=case.grad, impl=n, seconds=seconds, floor_seconds=floor, chain=chains[n],
+        ns_per_row_step=ns, bound_ns_per_row_step=bound_ns,
+        of_bound=None if bound_ns is None else ns / bound_ns,
         max_error=err, ok=bool(err <= tol), ideal_speedup=ideal,
         compile_seconds=compile_seconds[n],
         work_efficiency=useful * (2 if case.grad else 1) / max(computed, 1), useful_gflop=flops / 1e9,
@@ -285,36 +358,47 @@ def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0) -> list[di
   base = {r["impl"]: r["seconds"] for r in results}
   for r in results:
     r["speedup_vs_masked_scan"] = base["masked_scan"] / r["seconds"]
+    r["speedup_vs_hoisted_scan"] = (base["hoisted_scan"] / r["seconds"]
+                                    if "hoisted_scan" in base else None)
     r["speedup_vs_vmap_while"] = (base["vmap_while"] / r["seconds"]
                                   if "vmap_while" in base else None)
     r["fraction_of_ideal"] = r["speedup_vs_masked_scan"] / ideal
     r["gflops"] = r["useful_gflop"] / r["seconds"]
-    peak = peak_tflops(jax.devices()[0].device_kind, case.dtype)
+    peak = peak_tflops(kind, case.dtype)
     r["fraction_of_peak"] = None if peak is None else r["gflops"] / (peak * 1e3)
   return results
 
 
 def print_table(results: list[dict]) -> None:
-  """Prints one row per (case, implementation)."""
+  """Prints one row per (case, implementation), with a legend and the
+  per-call floor the times leave out."""
   interpret = jax.default_backend() == "cpu"
   pallas = "pallas (interpret)" if interpret else "pallas"
   if interpret:
     print("note: CPU run: 'pallas' is the kernel in Pallas INTERPRET mode "
           "(a correctness vehicle, not the compiled kernel's speed).")
-  header = (f"{'case':56s} {'impl':18s} {'median ms':>10s} {'vs scan':>8s} "
-            f"{'vs vmapW':>8s} {'ideal':>6s} {'of ideal':>8s} {'work eff':>8s} "
-            f"{'GFLOP/s':>8s} {'max err':>9s} {'compile s':>9s}")
+  floors = sorted({round(r["floor_seconds"] * 1e3, 3) for r in results if "floor_seconds" in r})
+  chains = sorted({r["chain"] for r in results if "chain" in r})
+  print(f"ms: one application on the device, inside one jit ({'/'.join(map(str, chains))} "
+        f"chained), the call's floor ({'/'.join(map(str, floors))} ms a call) left out. "
+        "vs scan / vs hoisted / vs vmapW: speedup over the masked scan, the masked scan "
+        "hoisted by hand, vmap(while_loop). ns/rs: ns per useful row-step; x bound: its "
+        "ratio to the matrix unit's bound. ideal: B*T/sum(n); of ideal: the speedup's "
+        "fraction of it; work eff: useful row-steps / row-steps computed.")
+  header = (f"{'case':56s} {'impl':18s} {'ms':>9s} {'vs scan':>8s} {'vs hoisted':>10s} "
+            f"{'vs vmapW':>8s} {'ns/rs':>7s} {'x bound':>7s} {'ideal':>6s} {'of ideal':>8s} "
+            f"{'work eff':>8s} {'max err':>9s} {'compile s':>9s}")
   print(header)
   print("-" * len(header))
+  ratio = lambda v, w: f"{v:{w - 1}.2f}x" if v is not None else f"{'n/a':>{w}s}"
   for r in results:
-    vs_vmap = r.get("speedup_vs_vmap_while")
-    vs_vmap = f"{vs_vmap:7.2f}x" if vs_vmap is not None else f"{'n/a':>8s}"
     name = pallas if r["impl"] == "pallas" else r["impl"]
-    print(f"{r['case']:56s} {name:18s} {r['seconds'] * 1e3:10.3f} "
-          f"{r['speedup_vs_masked_scan']:7.2f}x {vs_vmap} "
+    bound = r.get("of_bound")
+    print(f"{r['case']:56s} {name:18s} {r['seconds'] * 1e3:9.3f} "
+          f"{ratio(r['speedup_vs_masked_scan'], 8)} {ratio(r.get('speedup_vs_hoisted_scan'), 10)} "
+          f"{ratio(r.get('speedup_vs_vmap_while'), 8)} {r['ns_per_row_step']:7.3f} "
+          f"{(f'{bound:7.2f}' if bound is not None else f'{chr(45):>7s}')} "
           f"{r['ideal_speedup']:5.2f}x {r['fraction_of_ideal']:8.2f} "
-          f"{r['work_efficiency']:8.3f} {r['gflops']:8.2f} "
+          f"{r['work_efficiency']:8.3f} "
           f"{r['max_error']:9.2e} {r.get('compile_seconds', float('nan')):9.2f}"
-          f"{'' if r['ok'] else '  MISMATCH'}"
-          + (f"  {r['fraction_of_peak']:.3f} of bf16 peak"
-             if r.get("fraction_of_peak") is not None else ""))
+          f"{'' if r['ok'] else '  MISMATCH'}")

@@ -35,7 +35,7 @@ def test_every_implementation_agrees_on_a_tiny_case():
 def test_forward_backward_case_leaves_out_vmap_while():
   results = harness.run_case(cases.Case("gru", 20, 16, 4, "uniform", grad="full"), None,
                              repeats=1)
-  assert [r["impl"] for r in results] == ["masked_scan", "xla", "pallas"]
+  assert [r["impl"] for r in results] == ["masked_scan", "hoisted_scan", "xla", "pallas"]
   assert all(r["ok"] for r in results), results
   assert all(r["speedup_vs_vmap_while"] is None for r in results)
 
@@ -143,6 +143,27 @@ def test_gpu_check_skips_items_by_prefix(tmp_path):
   assert all(r == "--skip" for n, r in by_reason.items() if n.startswith(("feature", "check")))
   assert any(n.startswith("feature") for n in by_reason)
   assert all("budget" in r for n, r in by_reason.items() if n.startswith("design"))
+
+
+def test_gpu_check_runs_only_the_items_asked_for(tmp_path):
+  path = tmp_path / "r.jsonl"
+  assert gpu_check.main(["--smoke", "--only", "check tanh_rnn", "--out", str(path)]) == 0
+  lines = [json.loads(l) for l in path.read_text().splitlines()]
+  ran = [l for l in lines if l["item"] not in ("machine", "skipped", "done")]
+  assert ran and all(l["block"] == "tanh_rnn" for l in ran)
+  assert all(l["reason"] == "--only" for l in lines if l["item"] == "skipped")
+
+
+def test_timing_is_per_application_with_the_floor_left_out():
+  # One row per implementation, each with the floor it left out and the
+  # chain it was timed over; the hoisted scan runs where the block has one.
+  rows = harness.run_case(cases.Case("gru", 32, 16, 4, "uniform"), None, repeats=1)
+  assert [r["impl"] for r in rows] == list(harness.IMPLEMENTATIONS)
+  for r in rows:
+    assert r["floor_seconds"] > 0 and r["chain"] >= harness.CHAIN and r["seconds"] > 0
+    assert r["ns_per_row_step"] > 0 and r["speedup_vs_hoisted_scan"] > 0
+  rows = harness.run_case(cases.Case("residual_mlp", 16, 16, 4, "uniform"), None, repeats=1)
+  assert "hoisted_scan" not in [r["impl"] for r in rows]
 
 
 

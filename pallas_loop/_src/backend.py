@@ -75,6 +75,11 @@ class Backend:
     interpret: the `interpret=` value for `pallas_call`.
     smallest_default_rows: the default tile height is halved, down to this,
       while no configuration fits (a tile the caller chose is never changed).
+    plan_forward: the backend's own forward kernel: `plan_forward(backend,
+      step_fn, params, consts, h0, x, block_rows, outputs=, sort_rows=,
+      max_iters=)` -> a plan with `.problems`, `.config` and `.run(ops,
+      sort_rows=, residual=, schedule=)`; None: the tile kernel every
+      backend shares (`kernel_forward.plan`).
   """
 
   name: str
@@ -86,6 +91,7 @@ class Backend:
   extra_problems: Callable[[Any], list[str]] = lambda jaxpr: []
   interpret: Any = False
   smallest_default_rows: int = 16
+  plan_forward: Callable[..., Any] | None = None
 
 
 def iter_eqns(jaxpr: jex_core.Jaxpr) -> Iterator[jex_core.JaxprEqn]:
@@ -223,8 +229,11 @@ def interpret_backend(interpret: Any) -> Backend:
   """The interpret backend for `interpret=True` or a `pltpu.InterpretParams`."""
   if interpret is True:
     return INTERPRET
+  from pallas_loop._src import backend_mosaic_tpu  # pylint: disable=g-import-not-at-top
+  # TPU semantics: the TPU's own forward kernel, interpreted.
   return dataclasses.replace(
       INTERPRET, name="tpu-interpret", interpret=interpret,
-      configure=lambda fp, given: (KernelConfig(fp.block_rows, eval_rules=jaxpr_eval.MOSAIC), []))
+      configure=lambda fp, given: (KernelConfig(fp.block_rows, eval_rules=jaxpr_eval.MOSAIC), []),
+      plan_forward=backend_mosaic_tpu.MOSAIC_TPU.plan_forward)
 
 

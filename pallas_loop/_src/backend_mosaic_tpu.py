@@ -77,8 +77,8 @@ _UNKNOWN_TPU = (16 * MIB, 16 * MIB)
 
 # Beyond the blocks: Mosaic's internal scratch and the step's temporaries, a
 # few [block_rows, D] values (RESULTS.md, "Figures behind the code's choices").
-_FIXED_SCRATCH = 1 * MIB
-_ROW_TEMPORARIES = 8
+FIXED_SCRATCH = 1 * MIB
+ROW_TEMPORARIES = 8
 
 
 # The smallest default tile height (`_default_block_rows`): also legal for a
@@ -110,11 +110,11 @@ def vmem_estimate(fp: footprint_lib.Footprint) -> int:
   asks for twice it, see there).
 
   Pallas double-buffers every block (the pipeline fetches the next tile's
-  while this one runs), shared operands included; plus `_FIXED_SCRATCH` and
-  `_ROW_TEMPORARIES` float32 row values.
+  while this one runs), shared operands included; plus `FIXED_SCRATCH` and
+  `ROW_TEMPORARIES` float32 row values.
   """
   blocks = sum(padded_bytes(shape, dtype) for shape, dtype in fp.blocks)
-  return 2 * blocks + _FIXED_SCRATCH + _ROW_TEMPORARIES * fp.largest_row_value_bytes
+  return 2 * blocks + FIXED_SCRATCH + ROW_TEMPORARIES * fp.largest_row_value_bytes
 
 
 def configure(fp: footprint_lib.Footprint, block_rows_given: bool
@@ -214,6 +214,13 @@ def _default_block_rows(batch: int) -> int:
   return min(rows, -(-batch // 16) * 16)
 
 
+def _plan_forward(*args, **kwargs):
+  """The TPU's own forward kernel (`kernel_tpu_groups.plan`), imported here
+  when first planned: that module builds on this one's rules."""
+  from pallas_loop._src import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
+  return kernel_tpu_groups.plan(*args, **kwargs)
+
+
 MOSAIC_TPU = backend_lib.Backend(
     name="mosaic_tpu",
     platforms=("tpu",),
@@ -223,4 +230,5 @@ MOSAIC_TPU = backend_lib.Backend(
     lowering_rules=_lowering_rules,
     extra_problems=lambda jaxpr: _dot_problems(jaxpr) + _random_problems(jaxpr),
     smallest_default_rows=SMALLEST_TILE,
+    plan_forward=_plan_forward,
 )

@@ -202,14 +202,16 @@ def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[...,
   return select
 
 
-def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *, residual: bool = True,
-               outputs: Any = None) -> Callable[[LoopOperands], LoopOutputs]:
+def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *, max_iters: int,
+               residual: bool = True, outputs: Any = None
+               ) -> Callable[[LoopOperands], LoopOutputs]:
   """The forward, LoopOperands -> LoopOutputs, on the lowering platform's
   kernel or in XLA (`xla_forward.forward`).
 
   Args:
     step_fn: the body (step, then the halt criterion).
     tiling: the caller's implementation and tiling options.
+    max_iters: the counts' static bound.
     residual: track each row's last residual (False when the caller does not
       ask for it: saves a reduction per step; the residual output is then 0).
     outputs: the per-step outputs' buffer avals ([B, T, ...] leaves), or None.
@@ -219,14 +221,18 @@ def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *, residual: bool = 
     body = lambda p, h, x, t, rows, index: step_fn(p, ops.consts, h, x, t, rows, index)
     return xla_forward.forward(body, ops, residual, outputs)
 
-  def plan(backend: backend_lib.Backend, ops: LoopOperands) -> kernel_forward.TilePlan:
-    return _with_tanh(kernel_forward.plan(backend, step_fn, ops.params, ops.consts, ops.h0,
-                                          ops.x, tiling.block_rows, outputs=outputs),
-                      ops.h0, tiling)
+  def plan(backend: backend_lib.Backend, ops: LoopOperands) -> Any:
+    if backend.plan_forward is None:
+      p = kernel_forward.plan(backend, step_fn, ops.params, ops.consts, ops.h0, ops.x,
+                              tiling.block_rows, outputs=outputs)
+    else:  # the backend's own kernel
+      p = backend.plan_forward(backend, step_fn, ops.params, ops.consts, ops.h0, ops.x,
+                               tiling.block_rows, outputs=outputs, sort_rows=tiling.sort_rows,
+                               max_iters=max_iters)
+    return _with_tanh(p, ops.h0, tiling)
 
-  def run_kernel(p: kernel_forward.TilePlan, ops: LoopOperands) -> LoopOutputs:
-    return kernel_forward.run(p, ops, sort_rows=tiling.sort_rows, residual=residual,
-                              schedule=tiling.schedule)
+  def run_kernel(p: Any, ops: LoopOperands) -> LoopOutputs:
+    return p.run(ops, sort_rows=tiling.sort_rows, residual=residual, schedule=tiling.schedule)
 
   return _per_platform("forward", plan, run_kernel, run_xla, tiling)
 

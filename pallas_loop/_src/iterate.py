@@ -217,7 +217,8 @@ def iterate(
 
   # The residual is only computed when it is returned.
   ctx = grad_modes.Context(
-      fn=fn, forward=dispatch.forward_fn(fn, tiling, residual=return_info, outputs=ys_avals),
+      fn=fn, forward=dispatch.forward_fn(fn, tiling, max_iters=max_iters, residual=return_info,
+                                 outputs=ys_avals),
       window=dispatch.window_fn(fn, tiling), max_iters=max_iters,
       iterate=functools.partial(iterate, hoist=hoist, **tiling.as_kwargs()))
   loop = _differentiable(mode, ctx, step_fn_lib.avals(h0), ys_avals)

@@ -131,6 +131,11 @@ class TilePlan:
   sliced: frozenset[int] = frozenset()
   outputs: Any = None
 
+  def run(self, ops: LoopOperands, *, sort_rows: bool, residual: bool = True,
+          schedule: str | None = None) -> LoopOutputs:
+    """`run(self, ops, ...)`: the kernel on the rows in tiles."""
+    return run(self, ops, sort_rows=sort_rows, residual=residual, schedule=schedule)
+
   @property
   def max_iters(self) -> int:
     """T, the per-step outputs' slots that are read (0 without outputs)."""

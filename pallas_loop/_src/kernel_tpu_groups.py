@@ -1,0 +1,483 @@
+"""The TPU's forward kernel: a group of rows resident in VMEM, steps outermost.
+
+Legend (shapes in comments):
+  B: rows, sorted by descending count, padded to whole groups
+  G: rows of a group (one grid program)   C: rows of a chunk (one evaluation of the step)
+  T: max_iters                             ...: a leaf's trailing (per-row) dimensions
+
+A TPU core runs a grid's programs one after another, and the step's work on
+a tile is one chain of dependent matrix-unit, vector and transcendental work.
+The tile kernel (`kernel_forward.py`) runs each tile to its slowest row and
+tracks every row's count, steps and flags in [TB, 1] columns, which a TPU
+lays out one row per sublane: each column operation costs as much as one on
+a [TB, 128] array, and its loop body was about 3x the matrix unit's cycles
+(`benchmarks/tpu_bundles.py`).
+
+Here one program owns a group of G rows and keeps their state in VMEM for
+the whole loop (the state lives in the output block). Rows are sorted by
+descending count, so at step t the rows still running by count are a prefix
+of the group, of `active[g, t]` rows (a table scalar-prefetched to SMEM):
+the step is evaluated on the prefix's full chunks of C rows unmasked, on the
+one partial chunk masked, and not at all past it. Without halting and
+without a returned residual nothing per row is tracked in the loop (each
+row's steps are its count). With them, the per-row columns (residual, steps,
+halted: [G, 1]) live in output blocks, `loop.apply_update` (the rule every
+implementation shares) applies each step, a chunk whose rows have all
+stopped is skipped (a flag per chunk in SMEM), and the loop ends when no row
+of the group runs.
+
+Pallas' pipeline double-buffers the group blocks: while group g runs, the
+rows of group g + 1 stream in and those of group g - 1 out, so a batch that
+does not fit VMEM streams through it.
+
+What it does not take runs the tile kernel instead (`plan`): per-step
+outputs (a slot per step of every row would not stay in VMEM) and unsorted
+rows (`sort_rows=False`: the running rows are then no prefix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+from jax import lax
+from jax import tree_util
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import backend_mosaic_tpu
+from pallas_loop._src import footprint as footprint_lib
+from pallas_loop._src import jaxpr_eval
+from pallas_loop._src import kernel_forward
+from pallas_loop._src import loop as loop_lib
+from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src import tiling
+from pallas_loop._src.operands import LoopOperands, LoopOutputs
+
+KERNEL_NAME = "pallas_loop_iterate_fwd_groups"
+
+# The chunk: rows one evaluation of the step sees. A chunk pays a fixed
+# cost (the matrix unit's weights pushed, its pipeline filled and drained:
+# about 120 ns on a v5e, fitted on the tanh RNN at D=128) besides its rows'
+# work, so chunks are as tall as the batch allows, up to 2048 rows (0.30 ns
+# a row-step there, against 0.36 at 1024 and 0.69 at 256; RESULTS.md, "TPU
+# v5e: loop designs"), even though the one masked chunk a step then
+# computes more rows that do not run.
+LARGEST_CHUNK = 2048
+SMALLEST_CHUNK = 128
+# Groups a batch is split into when VMEM would hold it whole: the pipeline
+# overlaps group g + 1's load with group g's loop, so only the first group's
+# load and the last one's store are exposed.
+GROUPS = 4
+# Chunks a group holds at least (a group's fixed cost a step is spread over them).
+CHUNKS_PER_GROUP = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+  """How the group kernel will run, or why it cannot.
+
+  Attributes:
+    backend: the backend it was planned for (Mosaic TPU, or its interpret mode).
+    chunk_rows: C.
+    group_rows: G (a multiple of C).
+    rows: B padded to whole groups.
+    traced: the step traced at the chunk's shapes.
+    param_shapes/const_shapes: true shapes of the shared operands.
+    config: the kernel's configuration (None when none fits).
+    footprint: what one program holds in VMEM.
+    problems: violated rules; empty when the kernel can run.
+    sliced: shared operands read one leading slice at a time (`params[index]`).
+    uses_rows: the step reads its rows' indices (keys): the kernel then
+      reads a [G, 1] column of them.
+    max_iters: T, the counts' bound (the active table's columns).
+  """
+
+  backend: backend_lib.Backend
+  chunk_rows: int
+  group_rows: int
+  rows: int
+  traced: step_fn_lib.SpecializedStep
+  param_shapes: tuple
+  const_shapes: tuple
+  config: backend_lib.KernelConfig | None
+  footprint: footprint_lib.Footprint | None
+  problems: tuple[str, ...]
+  sliced: frozenset[int] = frozenset()
+  uses_rows: bool = False
+  max_iters: int = 0
+
+  @property
+  def block_rows(self) -> int:
+    """Rows one evaluation of the step sees (`iterate(block_rows=...)`)."""
+    return self.chunk_rows
+
+  @property
+  def groups(self) -> int:
+    return self.rows // self.group_rows
+
+  def run(self, ops: LoopOperands, *, sort_rows: bool, residual: bool = True,
+          schedule: str | None = None) -> LoopOutputs:
+    del schedule  # a TPU core runs its groups in order: one schedule
+    assert sort_rows, "the group kernel needs rows sorted by count (`plan`)"
+    return run(self, ops, residual=residual)
+
+
+def default_chunk_rows(batch: int) -> int:
+  """C for a batch: `LARGEST_CHUNK` rows, fewer for a batch of under 2
+  chunks of it (at least `SMALLEST_CHUNK`), and never more than the batch
+  rounded up to 16 rows (a bfloat16 tile)."""
+  rows = backend_lib.rows_for_tiles(batch, 2, smallest=SMALLEST_CHUNK, largest=LARGEST_CHUNK)
+  return min(rows, max(16, -(-batch // 16) * 16))
+
+
+def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, consts, h0, x,
+         block_rows: int | None = None, outputs: Any = None, *,
+         sort_rows: bool = True, max_iters: int) -> Any:
+  """The group kernel's plan, or the tile kernel's where this one does not
+  apply (per-step outputs, unsorted rows).
+
+  Args:
+    backend: Mosaic TPU or its interpret mode.
+    step_fn, params, consts, h0, x: as `kernel_forward.plan`.
+    block_rows: C, the chunk's rows (None: `default_chunk_rows`).
+    outputs: the per-step outputs' avals, or None.
+    sort_rows: the caller's `sort_rows`.
+    max_iters: T, the counts' static bound.
+
+  Returns:
+    A `GroupPlan`, or a `kernel_forward.TilePlan`.
+  """
+  if outputs is not None or not sort_rows:
+    return kernel_forward.plan(backend, step_fn, params, consts, h0, x, block_rows,
+                               outputs=outputs)
+  batch = tree_util.tree_leaves(h0)[0].shape[0]
+  chunk = block_rows or default_chunk_rows(batch)
+  traced = step_fn.specialize(params, consts, step_fn_lib.avals(h0, chunk),
+                              step_fn_lib.avals(x, chunk))
+  n_params = len(tree_util.tree_leaves(params))
+  problems = []
+  typed = backend_lib.extended_dtype_problems(kernel_forward._named_operands(  # pylint: disable=protected-access
+      params, traced, h0, x))
+  if typed:
+    return GroupPlan(backend=backend, chunk_rows=chunk, group_rows=chunk, rows=chunk,
+                     traced=traced, param_shapes=(), const_shapes=(), config=None,
+                     footprint=None, problems=tuple(typed))
+  # A chunk is a dynamic slice of the group's rows in VMEM: Mosaic's block
+  # rule applies to it as to a block (a 1-D leaf's rows are the lane axis:
+  # a multiple of 128 rows), and a 16-bit leaf's rows pack two to a
+  # sublane: a multiple of 16.
+  blocks = []
+  for name, tree in (("h0", h0), ("x", x)):
+    for path, a in tree_util.tree_flatten_with_path(tree)[0]:
+      blocks.append(backend_lib.Block(f"{name}{tree_util.keystr(path)} (a chunk of its rows)",
+                                      (chunk,) + a.shape[1:],
+                                      (tiling.padded_rows(batch, chunk),) + a.shape[1:]))
+      if (backend.platforms and len(a.shape) == 2 and jnp.dtype(a.dtype).itemsize == 2
+          and chunk % 16):
+        problems.append(f"{name}{tree_util.keystr(path)} is 16-bit, two rows to a sublane: "
+                        f"choose block_rows a multiple of 16, not {chunk}")
+  sliced, slice_eqns = backend_lib.leading_slices(
+      traced.jaxpr, traced.jaxpr.invars[:n_params] + traced.jaxpr.constvars)
+  blocks += [backend_lib.Block(f"params{tree_util.keystr(path)}", kernel_forward.shared_2d(a),
+                               kernel_forward.shared_2d(a), row_axis=None)
+             for path, a in tree_util.tree_flatten_with_path(params)[0]]
+  blocks += [backend_lib.Block(f"an array step closes over (#{i})", kernel_forward.shared_2d(c),
+                               kernel_forward.shared_2d(c), row_axis=None)
+             for i, c in enumerate(traced.const_values)]
+  problems += (backend.block_problems(blocks)
+               + backend_lib.unsupported_primitive_problems(backend, traced.jaxpr, slice_eqns)
+               + backend.extra_problems(traced.jaxpr))
+  uses_rows = _reads(traced.jaxpr, len(tree_util.tree_leaves((params, h0, x))) + 1)
+  shared = list(tree_util.tree_leaves(params)) + list(traced.const_values)
+  shared_avals = [jax.ShapeDtypeStruct(kernel_forward.shared_2d(a), jnp.result_type(a))
+                  for a in shared]
+  fp = footprint_lib.measure(
+      [(traced.jaxpr, n_params)], batch=batch, block_rows=chunk, shared_avals=shared_avals,
+      row_block_avals=_row_blocks(h0, x, chunk, columns=4))
+  config, group, config_problems = _configure(backend, fp, batch, chunk, h0, x, shared_avals)
+  padded = tiling.padded_rows(tiling.padded_rows(batch, chunk), group)
+  return GroupPlan(
+      backend=backend, chunk_rows=chunk, group_rows=group, rows=padded, traced=traced,
+      param_shapes=tuple(np.shape(a) for a in tree_util.tree_leaves(params)),
+      const_shapes=tuple(np.shape(c) for c in traced.const_values),
+      config=config, footprint=fp, problems=tuple(problems + config_problems),
+      sliced=frozenset(sliced), uses_rows=uses_rows, max_iters=max_iters)
+
+
+def _reads(jaxpr, position: int) -> bool:
+  """Whether `jaxpr` reads its input at `position`."""
+  var = jaxpr.invars[position]
+  return any(var in eqn.invars for eqn in backend_lib.iter_eqns(jaxpr)) or var in jaxpr.outvars
+
+
+def _row_blocks(h0, x, rows: int, columns: int) -> list:
+  """The avals of a program's row blocks at `rows` rows: the state in and
+  out, the inputs, and `columns` [rows, 1] int32/float32 columns."""
+  return (2 * tree_util.tree_leaves(step_fn_lib.avals(h0, rows))
+          + tree_util.tree_leaves(step_fn_lib.avals(x, rows))
+          + [jax.ShapeDtypeStruct((rows, 1), np.int32)] * columns)
+
+
+def _configure(backend, fp, batch, chunk, h0, x, shared_avals):
+  """(config, G, problems): the group's rows and the VMEM the kernel asks
+  for.
+
+  VMEM holds, double-buffered, the group's row blocks (the state in and out,
+  the inputs, up to four [G, 1] columns, each padded to Mosaic's (8, 128)
+  tiles) and the shared operands, plus the chunk's temporaries (the tile
+  kernel's allowance at C rows: `backend_mosaic_tpu.vmem_estimate`). G is the
+  most rows (a multiple of C) that fits 7/8 of the physical VMEM, at most a
+  `GROUPS`-th of the batch but at least `CHUNKS_PER_GROUP` chunks.
+  """
+  if not backend.platforms:  # interpret mode: no VMEM to fit
+    group = _group_rows(batch, chunk, limit=None)
+    return backend_lib.KernelConfig(block_rows=chunk, eval_rules=jaxpr_eval.MOSAIC), group, []
+  default, physical = backend_mosaic_tpu.vmem(backend_lib.device_kind("tpu"))
+  cap = physical * 7 // 8 if physical > default else default
+  per_row = sum(backend_mosaic_tpu.padded_bytes(a.shape, a.dtype)
+                for a in _row_blocks(h0, x, chunk, columns=4)) / chunk
+  fixed = (2 * sum(backend_mosaic_tpu.padded_bytes(a.shape, a.dtype) for a in shared_avals)
+           + backend_mosaic_tpu.FIXED_SCRATCH
+           + backend_mosaic_tpu.ROW_TEMPORARIES * fp.largest_row_value_bytes)
+  fits = int((cap - fixed) // (2 * per_row)) // chunk * chunk
+  if fits < chunk:
+    return None, chunk, [
+        f"no group of {chunk}-row chunks fits the TPU's VMEM ({cap:,} B a kernel may ask for; "
+        f"{per_row:.0f} B a row, double-buffered, and {fixed:,} B of shared operands and "
+        "temporaries); a smaller block_rows may fit, else the XLA implementation runs it"]
+  group = _group_rows(batch, chunk, limit=fits)
+  need = int(fixed + 2 * per_row * group)
+  # Headroom over the estimate for Mosaic's own scratch (the row blocks are
+  # exactly what the pipeline allocates; the temporaries are an allowance).
+  limit = min(cap, -(-(need + need // 4) // backend_mosaic_tpu.MIB) * backend_mosaic_tpu.MIB)
+  params = pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                vmem_limit_bytes=max(limit, default))
+  return backend_lib.KernelConfig(
+      block_rows=chunk, compiler_params=params, eval_rules=jaxpr_eval.MOSAIC,
+      estimate={"vmem_bytes": need, "vmem_limit_bytes": max(limit, default),
+                "group_rows": group}), group, []
+
+
+def _group_rows(batch: int, chunk: int, limit: int | None) -> int:
+  """G: about a `GROUPS`-th of the batch, at least `CHUNKS_PER_GROUP`
+  chunks, at most `limit` rows (and never past the batch), a multiple of C."""
+  rows = tiling.padded_rows(batch, chunk)
+  want = max(CHUNKS_PER_GROUP * chunk, tiling.padded_rows(-(-rows // GROUPS), chunk))
+  group = min(want, rows)
+  if limit is not None:
+    group = min(group, limit)
+  groups = -(-rows // group)
+  return tiling.padded_rows(-(-rows // groups), chunk)  # as even as whole chunks allow
+
+
+def active_rows(counts: jax.Array, groups: int, max_iters: int) -> jax.Array:
+  """int32 [groups, T]: rows of each group still running by count at step t
+  (counts sorted descending within each group: a prefix of the group)."""
+  grouped = counts.reshape(groups, -1)
+  steps = jnp.arange(max_iters, dtype=counts.dtype)
+  # Descending counts: the rows with count > t are those before the first
+  # row with count <= t.
+  return jax.vmap(lambda c: jnp.searchsorted(-c, -steps, side="left"))(grouped).astype(
+      jnp.int32)
+
+
+def _kernel(active_ref, trips_ref, *refs, plan: GroupPlan, trees, n_ops, elems_per_row,
+            track: bool, residual: bool):
+  """The kernel body of group g. Refs, in order:
+
+  active_ref: SMEM int32 [groups, T]   rows of each group running by count at step t
+  trips_ref: SMEM int32 [groups]       each group's largest count
+  shared refs: full blocks             params leaves, then the step's constants
+  halting refs: [1, 1]                 tol (float32, if given), min_iters (int32)
+  h refs: [G, ...]                     initial state leaves
+  x refs: [G, ...]                     input leaves
+  rows_ref: int32 [G, 1]               rows' indices in the caller's batch (`uses_rows`)
+  out h refs: [G, ...]                 the state, updated in place, then final
+  out residual/steps/halted: [G, 1]    per-row columns (`track`)
+  alive_ref: SMEM int32 [G / C]        1 while a chunk has a running row (`track`)
+  """
+  n_params, n_consts, n_halting, n_h, n_x = n_ops
+  params_tree, halting_tree, h_tree, x_tree = trees
+  it = iter(refs)
+  params_refs = [next(it) for _ in range(n_params)]
+  const_refs = [next(it) for _ in range(n_consts)]
+  halting = tree_util.tree_unflatten(halting_tree, [next(it)[...] for _ in range(n_halting)])
+  h_refs = [next(it) for _ in range(n_h)]
+  x_refs = [next(it) for _ in range(n_x)]
+  rows_ref = next(it) if plan.uses_rows else None
+  out_refs = [next(it) for _ in range(n_h)]
+  if track:
+    residual_ref, steps_ref, halted_ref, alive_ref = next(it), next(it), next(it), next(it)
+
+  g = pl.program_id(0)
+  chunk = plan.chunk_rows
+  shared = kernel_forward.shared_loader(params_refs + const_refs,
+                                        plan.param_shapes + plan.const_shapes,
+                                        on_chip=True, sliced=plan.sliced)
+  params = tree_util.tree_unflatten(params_tree, shared[:n_params])
+  consts = shared[n_params:]
+  rules = plan.config.eval_rules
+  for src, dst in zip(h_refs, out_refs):
+    dst[...] = src[...]
+  if track:
+    residual_ref[...] = jnp.zeros(residual_ref.shape, residual_ref.dtype)
+    steps_ref[...] = jnp.zeros(steps_ref.shape, steps_ref.dtype)
+    halted_ref[...] = jnp.zeros(halted_ref.shape, halted_ref.dtype)
+    for c in range(plan.group_rows // chunk):
+      alive_ref[c] = 1
+
+  def evaluate(t, rows):
+    h = tree_util.tree_unflatten(h_tree, [ref[rows] for ref in out_refs])
+    x = tree_util.tree_unflatten(x_tree, [ref[rows] for ref in x_refs])
+    ids = rows_ref[rows] if rows_ref is not None else jnp.zeros((chunk, 1), jnp.int32)
+    h_new, _, flag = plan.traced.apply(consts, params, h, x, jnp.full((chunk, 1), t, jnp.int32),
+                                       ids, t, rules=rules)
+    return h, h_new, flag
+
+  def store(rows, h):
+    for ref, leaf in zip(out_refs, tree_util.tree_leaves(h)):
+      ref[rows] = leaf
+
+  def below(limit):
+    """bool [C, 1]: the chunk's rows before `limit`."""
+    return lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < limit
+
+  def untracked_step(t):
+    # Rows are a prefix: full chunks unmasked, the partial one masked.
+    n = active_ref[g, t]
+    full = n // chunk
+
+    def body(c, carry):
+      rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+      store(rows, evaluate(t, rows)[1])
+      return carry
+
+    lax.fori_loop(0, full, body, 0)
+
+    @pl.when(n > full * chunk)
+    def _():
+      rows = pl.ds(pl.multiple_of(full * chunk, chunk), chunk)
+      h, h_new, _ = evaluate(t, rows)
+      store(rows, loop_lib.select_rows(below(n - full * chunk), h_new, h))
+
+  def tracked_step(t):
+    # Every chunk of the prefix that still has a running row: the rows
+    # apply the step where their count allows and no criterion stopped
+    # them; returns 1 if a row runs at the next step.
+    n = active_ref[g, t]
+    n_next = active_ref[g, jnp.minimum(t + 1, active_ref.shape[1] - 1)]
+    n_next = jnp.where(t + 1 < active_ref.shape[1], n_next, 0)
+
+    def body(c, alive_next):
+      start = c * chunk
+      rows = pl.ds(pl.multiple_of(start, chunk), chunk)
+
+      @pl.when(alive_ref[c] > 0)
+      def _():
+        h, h_new, flag = evaluate(t, rows)
+        s = loop_lib.LoopState(h, residual_ref[rows], steps_ref[rows], halted_ref[rows])
+        running = below(n - start) & (s.halted == 0)
+        s = loop_lib.apply_update(s, running, t, h_new, flag, halting, elems_per_row, residual)
+        store(rows, s.h)
+        residual_ref[rows] = s.residual
+        steps_ref[rows] = s.steps
+        halted_ref[rows] = s.halted
+        alive_ref[c] = jnp.max((below(n_next - start) & (s.halted == 0)).astype(jnp.int32))
+
+      return jnp.maximum(alive_next, alive_ref[c])
+
+    return lax.fori_loop(0, (n + chunk - 1) // chunk, body, jnp.int32(0))
+
+  trips = trips_ref[g]
+  if track:
+    def cond(carry):
+      t, alive = carry
+      return (t < trips) & (alive > 0)
+
+    lax.while_loop(cond, lambda carry: (carry[0] + 1, tracked_step(carry[0])),
+                   (jnp.int32(0), jnp.int32(1)))
+  else:
+    def step(t, carry):
+      untracked_step(t)
+      return carry
+
+    lax.fori_loop(0, trips, step, 0)
+
+
+def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True) -> LoopOutputs:
+  """Runs the group kernel on the rows, sorted by descending count.
+
+  Args:
+    p: from `plan`, with no problems.
+    ops: the loop's operands (consts: the caller's; the kernel takes the
+      traced step's own constants from `p`).
+    residual: track each row's last residual (else it is returned as 0).
+  """
+  config = p.config
+  assert not p.problems and config is not None, p.problems
+  track = residual or ops.halting is not None
+  group, padded = p.group_rows, p.rows
+  max_iters = p.max_iters
+  params_leaves, params_tree = tree_util.tree_flatten(ops.params)
+  h_tree: Any = tree_util.tree_structure(ops.h0)
+  x_tree: Any = tree_util.tree_structure(ops.x)
+  shared = kernel_forward.shared_operands(params_leaves, p.traced.const_values, p.sliced)
+  halting_leaves, halting_tree = tree_util.tree_flatten(ops.halting)
+  halting_ops = [a.reshape(1, 1) for a in halting_leaves]
+  kernel = functools.partial(
+      _kernel, plan=p, trees=(params_tree, halting_tree, h_tree, x_tree),
+      n_ops=(len(params_leaves), len(p.const_shapes), len(halting_ops), h_tree.num_leaves,
+             x_tree.num_leaves),
+      elems_per_row=loop_lib.elems_per_row(ops.h0), track=track, residual=residual)
+  # Index maps take the grid index and the two scalar-prefetched tables.
+  rows_of = lambda a: pl.BlockSpec((group,) + tuple(a.shape[1:]),
+                                   lambda g, act, trips: (g,) + (0,) * (len(a.shape) - 1))
+  whole = lambda a: pl.BlockSpec(tuple(a.shape), lambda g, act, trips: (0,) * len(a.shape))
+  column = lambda dtype: jax.ShapeDtypeStruct((padded, 1), dtype)
+  stats = [column(jnp.float32), column(jnp.int32), column(jnp.int32)] if track else []
+  scratch = [pltpu.SMEM((group // p.chunk_rows,), jnp.int32)] if track else []
+
+  def on_groups(per_row, counts):
+    h_in, x_in, index = per_row  # leaves [B, ...]; index int32 [B] or None
+    h_leaves, x_leaves = tree_util.tree_leaves(h_in), tree_util.tree_leaves(x_in)
+    rows_in = [index.reshape(padded, 1)] if p.uses_rows else []
+    active = active_rows(counts, p.groups, max(max_iters, 1))
+    trips = jnp.max(counts.reshape(p.groups, group), axis=1).astype(jnp.int32)
+    outs = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(p.groups,),
+            in_specs=[*map(whole, shared + halting_ops), *map(rows_of, h_leaves),
+                      *map(rows_of, x_leaves), *map(rows_of, rows_in)],
+            out_specs=[*map(rows_of, h_leaves), *map(rows_of, stats)],
+            scratch_shapes=scratch),
+        out_shape=[*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in h_leaves), *stats],
+        compiler_params=config.compiler_params,
+        interpret=p.backend.interpret,
+        name=KERNEL_NAME,
+    )(active, trips, *shared, *halting_ops, *h_leaves, *x_leaves, *rows_in)
+    n_h = h_tree.num_leaves
+    h_out = tree_util.tree_unflatten(h_tree, outs[:n_h])
+    return (h_out, [a[:, 0] for a in outs[n_h:]]), None
+
+  # Only what the kernel reads travels into count order (the rows' indices
+  # only for a keyed step), and only what it computes travels back: without
+  # tracking, each row applied its count, none halted, no residual is asked
+  # for, and those are known in the caller's order.
+  index = ops.row_ids if p.uses_rows else None
+  (h, tracked), _ = tiling.in_tiles(
+      on_groups, (ops.h0, ops.x, index), ops.counts, rows=padded, sort=True,
+      must_be_finite=False, skip_if_sorted=True, invert_by_sort=True, one_gather=True)
+  if track:
+    residual_out, steps, halted = tracked
+    return LoopOutputs(h, residual_out, steps, halted > 0, None)
+  batch = ops.counts.shape[0]
+  return LoopOutputs(h, jnp.zeros((batch,), jnp.float32), ops.counts,
+                     jnp.zeros((batch,), jnp.bool_), None)

@@ -1,0 +1,198 @@
+"""The TPU's group kernel (`kernel_tpu_groups.py`) against the reference.
+
+Run in Pallas' TPU interpret mode (`interpret=pltpu.InterpretParams()`),
+which takes the TPU's own forward kernel: small chunks (`block_rows=16`) so
+that a batch spans several chunks and groups, padding poisoned with NaN so a
+padded row that leaked into a result would show.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_loop
+from pallas_loop import _reference as reference
+from pallas_loop._src import backend_mosaic_tpu
+from pallas_loop._src import dispatch
+from pallas_loop._src import kernel_forward
+from pallas_loop._src import kernel_tpu_groups
+from pallas_loop._src import step_fn
+from pallas_loop._src import tiling
+from benchmarks import blocks
+from tests import cases
+from tests import oracle
+
+TPU_INTERPRET = dict(implementation="pallas", interpret=pltpu.InterpretParams())
+
+
+def _run(step, params, h0, x, *, block_rows=16, **kw):
+  """iterate in TPU interpret mode, with the forward plan it took."""
+  with dispatch.observe_plans() as seen, pallas_loop.testing.poisoned_padding():
+    out = pallas_loop.iterate(step, params, h0, x, block_rows=block_rows, **TPU_INTERPRET, **kw)
+  return out, [p for what, _, p in seen if what == "forward"]
+
+
+@pytest.mark.parametrize("pattern", cases.PATTERNS + ("descending",))
+@pytest.mark.parametrize("block,dtype", [("tanh_rnn", "float32"), ("tanh_rnn", "bfloat16"),
+                                         ("lstm", "float32"), ("residual_mlp", "bfloat16")])
+@pytest.mark.parametrize("batch", [7, 100])
+def test_forward_matches_reference(pattern, block, dtype, batch):
+  step, params, h0, x = blocks.make(block, batch, 16, jnp.dtype(dtype))
+  if pattern == "descending":  # already in count order: the rows are not moved
+    n = jnp.asarray(np.sort(np.asarray(cases.counts("ragged", batch)))[::-1].copy())
+  else:
+    n = cases.counts(pattern, batch)
+  kw = dict(iters=n, max_iters=cases.MAX_ITERS)
+  (got, info), plans = _run(step, params, h0, x, return_info=True, **kw)
+  assert plans and all(isinstance(p, kernel_tpu_groups.GroupPlan) for p in plans)
+  want, want_f32 = oracle.reference_pair(step, params, h0, x, **kw)
+  oracle.assert_trees_close(got, want, want_f32)
+  ref_info = reference.iterate(step, params, h0, x, return_info=True, **kw)[1]
+  np.testing.assert_array_equal(info.steps, ref_info.steps)
+  assert not np.any(info.halted)
+
+
+@pytest.mark.parametrize("batch", [5, 64, 130])
+def test_without_info_every_row_applies_its_count(batch):
+  # No halting and no residual: nothing per row is tracked in the loop.
+  step, params, h0, x = blocks.make("tanh_rnn", batch, 16)
+  n = cases.counts("ragged", batch, seed=2)
+  got, plans = _run(step, params, h0, x, iters=n, max_iters=cases.MAX_ITERS)
+  assert plans[0].groups >= 1 and plans[0].group_rows % plans[0].chunk_rows == 0
+  oracle.assert_trees_close(got, reference.iterate(step, params, h0, x, iters=n,
+                                                   max_iters=cases.MAX_ITERS))
+
+
+def test_several_groups_and_chunks():
+  step, params, h0, x = blocks.make("tanh_rnn", 300, 16)
+  n = cases.counts("ragged", 300, max_iters=9, seed=4)
+  got, plans = _run(step, params, h0, x, iters=n, max_iters=9)
+  assert plans[0].groups > 1 and plans[0].group_rows // plans[0].chunk_rows > 1
+  oracle.assert_trees_close(got, reference.iterate(step, params, h0, x, iters=n, max_iters=9))
+
+
+@pytest.mark.parametrize("min_iters", [0, 2])
+def test_tol_halting(min_iters):
+  step, params, h0, x = blocks.make("deq", 90, 16)
+  kw = dict(max_iters=30, tol=1e-3, min_iters=min_iters)
+  (got, info), plans = _run(step, params, h0, x, return_info=True, **kw)
+  assert isinstance(plans[0], kernel_tpu_groups.GroupPlan)
+  want, ref_info = reference.iterate(step, params, h0, x, return_info=True, **kw)
+  oracle.assert_trees_close(got, want)
+  np.testing.assert_array_equal(info.steps, ref_info.steps)
+  np.testing.assert_array_equal(info.halted, ref_info.halted)
+  assert np.any(info.halted) and np.all(info.steps >= min_iters)
+  np.testing.assert_allclose(info.residual, ref_info.residual, rtol=1e-4, atol=1e-6)
+
+
+def test_custom_halt_with_counts():
+  step, params, h0, x = blocks.make("tanh_rnn", 50, 16)
+  halt = lambda p, h_new, h, x: jnp.mean(h_new, axis=1) > 0.05
+  n = cases.counts("ragged", 50, seed=1)
+  kw = dict(iters=n, max_iters=cases.MAX_ITERS, halt=halt)
+  (got, info), _ = _run(step, params, h0, x, return_info=True, **kw)
+  want, ref_info = reference.iterate(step, params, h0, x, return_info=True, **kw)
+  oracle.assert_trees_close(got, want)
+  np.testing.assert_array_equal(info.steps, ref_info.steps)
+  np.testing.assert_array_equal(info.halted, ref_info.halted)
+
+
+def test_keys_and_step_index():
+  # The rows' indices travel into count order with the rows: a keyed step
+  # draws the same bits as in the reference.
+  def step(params, h, x, *, key, index):
+    w, u, b = params
+    new = jnp.tanh(h @ w + x @ u + b + 0.01 * index.astype(h.dtype))
+    return pallas_loop.random.dropout(key, new, 0.25)
+
+  _, params, h0, x = blocks.make("tanh_rnn", 70, 16)
+  n = cases.counts("ragged", 70, seed=5)
+  kw = dict(iters=n, max_iters=cases.MAX_ITERS, key=jax.random.key(3), step_index=True)
+  got, plans = _run(step, params, h0, x, **kw)
+  assert plans[0].uses_rows
+  oracle.assert_trees_close(got, reference.iterate(step, params, h0, x, **kw))
+
+
+def test_integer_leaf_in_the_state():
+  def step(params, state, x):
+    h, count = state
+    return jnp.tanh(h @ params + x), count + 1
+
+  w = jnp.eye(16) * 0.5
+  h0 = (jnp.zeros((40, 16)), jnp.zeros((40,), jnp.int32))
+  x = jnp.ones((40, 16))
+  n = cases.counts("ragged", 40, seed=6)
+  got, _ = _run(step, w, h0, x, iters=n, max_iters=cases.MAX_ITERS, block_rows=128)
+  want = reference.iterate(step, w, h0, x, iters=n, max_iters=cases.MAX_ITERS)
+  oracle.assert_trees_close(got, want)
+  np.testing.assert_array_equal(got[1], np.clip(n, 0, cases.MAX_ITERS))
+
+
+def test_gradient_through_the_group_kernel():
+  step, params, h0, x = blocks.make("gru", 45, 16)
+  n = cases.counts("ragged", 45, seed=7)
+  kw = dict(iters=n, max_iters=cases.MAX_ITERS)
+  loss = lambda f: lambda p, h: cases.tree_sum(f(step, p, h, x, **kw))
+  ours = jax.grad(loss(lambda *a, **k: pallas_loop.iterate(*a, block_rows=16, **TPU_INTERPRET,
+                                                           **k)), argnums=(0, 1))(params, h0)
+  want = jax.grad(loss(reference.iterate), argnums=(0, 1))(params, h0)
+  oracle.assert_trees_close(ours, want, what="gradient")
+
+
+def test_step_outputs_and_unsorted_rows_take_the_tile_kernel():
+  step, params, h0, x = blocks.make("tanh_rnn", 20, 16)
+  n = cases.counts("ragged", 20)
+  _, plans = _run(lambda p, h, x: (step(p, h, x), h[:, 0]), params, h0, x, iters=n,
+                  max_iters=cases.MAX_ITERS, step_outputs=True)
+  assert isinstance(plans[0], kernel_forward.TilePlan)
+  got, plans = _run(step, params, h0, x, iters=n, max_iters=cases.MAX_ITERS, sort_rows=False)
+  assert isinstance(plans[0], kernel_forward.TilePlan)
+  oracle.assert_trees_close(got, reference.iterate(step, params, h0, x, iters=n,
+                                                   max_iters=cases.MAX_ITERS))
+
+
+def test_mosaic_plan_rules():
+  # Planned for the chip (no compile): a 16-bit state needs chunks of whole
+  # 16-row tiles, a 1-D leaf chunks of whole 128-lane rows.
+  step, params, h0, x = blocks.make("tanh_rnn", 256, 128, jnp.bfloat16)
+  fn = step_fn.StepFn(step_fn.with_halt(step, None), ())
+  plan = lambda **kw: kernel_tpu_groups.plan(backend_mosaic_tpu.MOSAIC_TPU, fn, params, (),
+                                             h0, x, max_iters=8, **kw)
+  assert not plan().problems and plan().chunk_rows == 128
+  assert any("multiple of 16" in m for m in plan(block_rows=8).problems)
+  assert not plan(block_rows=16).problems
+  fn = step_fn.StepFn(step_fn.with_halt(lambda p, h, x: h * 0.5, None), ())
+  problems = kernel_tpu_groups.plan(backend_mosaic_tpu.MOSAIC_TPU, fn, None, (),
+                                    jnp.zeros((512,)), None, block_rows=64,
+                                    max_iters=8).problems
+  assert any("a chunk of its rows" in m and "multiple of 128" in m for m in problems)
+
+
+def test_active_rows_is_the_running_prefix():
+  counts = jnp.array([5, 3, 3, 0, 4, 4, 1, 0], jnp.int32)  # two groups, each descending
+  got = kernel_tpu_groups.active_rows(counts, 2, 6)
+  want = np.array([[(np.array(g) > t).sum() for t in range(6)]
+                   for g in ([5, 3, 3, 0], [4, 4, 1, 0])])
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("batch,chunk,limit", [(100, 16, None), (32768, 2048, None),
+                                               (262144, 2048, 50000), (4096, 2048, None)])
+def test_group_rows(batch, chunk, limit):
+  group = kernel_tpu_groups._group_rows(batch, chunk, limit)  # pylint: disable=protected-access
+  assert group % chunk == 0 and group >= chunk
+  if limit is not None:
+    assert group <= limit
+  groups = -(-tiling.padded_rows(batch, chunk) // group)
+  assert groups * group - batch < groups * chunk  # padding: under a chunk a group
+
+
+def test_default_chunk_rows():
+  assert kernel_tpu_groups.default_chunk_rows(32768) == 2048
+  assert kernel_tpu_groups.default_chunk_rows(4096) == 2048
+  assert kernel_tpu_groups.default_chunk_rows(1000) == 256
+  assert kernel_tpu_groups.default_chunk_rows(7) == 16

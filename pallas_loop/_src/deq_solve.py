@@ -339,7 +339,7 @@ def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0
 
 
 # Where the caller's code is: the first frame outside this package and JAX.
-_SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) for m in
+_SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in
                    (sys.modules["pallas_loop"], jax, sys.modules.get("jaxlib", jax)))
 
 

@@ -1,6 +1,6 @@
 """Compile every kernel with the real backend compilers, deviceless, and report it.
 
-    pip install -e ".[compile-check]"
+    pip install -e ".[compile-check,flax,equinox]"
     python -m benchmarks.compile_check               # the quick matrix, every target
     python -m benchmarks.compile_check --full        # the whole matrix
     python -m benchmarks.compile_check --sample 12   # CI: the quick matrix + 12 rotating cases
@@ -8,12 +8,18 @@
 
 Export only proves that Pallas emitted a kernel; this runs the compilers the
 accelerators run: XLA's own Triton pipeline for an H200 (the CUDA plugin's
-compile-only topology, from `tests/data/h200.txtpb`) and libtpu's Mosaic for
+compile-only topology, from `pallas_loop/_src/targets/h200.txtpb`) and libtpu's Mosaic for
 TPU v5e and v6e. Each case is compiled in its own process (a compiler crash
 is a reported result, not the end of the run), as `jit(iterate)` or
 `jit(value_and_grad(iterate))` with the default `implementation=None`, so
 what is checked is what a user gets: a kernel, or the XLA implementation
 with the warning that names why.
+
+Beside the blocks of `benchmarks/blocks.py`, the full matrix compiles
+multi-head attention over each row's tokens as libraries write it
+(`benchmarks/attention.py`: Flax linen's `MultiHeadDotProductAttention`,
+Equinox's `MultiheadAttention`, raw einsums; forward and backward, float32
+and bfloat16).
 
 Per kernel it reports the configuration the rules chose (tile height, warps,
 shared operands held on chip or re-read) with the rules' estimate, and what
@@ -59,7 +65,7 @@ import time
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-H200_TARGET = os.path.join(REPO, "tests", "data", "h200.txtpb")
+H200_TARGET = os.path.join(REPO, "pallas_loop", "_src", "targets", "h200.txtpb")
 
 TARGETS = {
     # name: (platform, topology)
@@ -73,6 +79,10 @@ DTYPES = ("bfloat16", "float32")
 BATCH = 4096
 MAX_ITERS = 16
 KERNELS = ("pallas_loop_iterate_fwd", "pallas_loop_iterate_bwd")
+# Multi-head attention over each row's tokens as libraries write it
+# (`benchmarks/attention.py`): block name -> style.
+ATTENTION = {"attention_flax": "flax", "attention_equinox": "equinox",
+             "attention_einsum": "einsum"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,10 +131,15 @@ def _tuner_candidates() -> tuple[int, ...]:
 
 
 def iterate_takes(keyword: str) -> bool:
-  """Whether this checkout's `pallas_loop.iterate` has the keyword argument."""
+  """Whether this checkout's `pallas_loop.iterate` takes the option: a field of
+  `pallas_loop.Options`, or (a checkout from before `Options`) a keyword argument."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
   import inspect  # pylint: disable=g-import-not-at-top
 
   import pallas_loop  # pylint: disable=g-import-not-at-top
+  options = getattr(pallas_loop, "Options", None)
+  if options is not None and keyword in {f.name for f in dataclasses.fields(options)}:
+    return True
   return keyword in inspect.signature(pallas_loop.iterate).parameters
 
 
@@ -148,7 +163,8 @@ def matrix(full: bool, targets) -> list[Case]:
       # The persistent schedule: an outer loop over tiles around the step's.
       cases += [Case(target, block, 128, "bfloat16", "full", schedule="persistent")
                 for block in HOIST_BEFORE_AFTER]
-    # A block with a [B, S, D] state and batched dots, beyond the four.
+    # A block with a [B, S, D] state and batched dots, beyond the four
+    # (one head; `ATTENTION` has multi-head attention as libraries write it).
     cases.append(Case(target, "transformer", 64, "bfloat16", "full"))
     widths, dtypes = (WIDTHS, DTYPES) if full else ((128,), ("bfloat16",))
     for block in BLOCKS:
@@ -162,6 +178,10 @@ def matrix(full: bool, targets) -> list[Case]:
       # the forward kernel: it must compile too (or be rejected up front).
       cases += [Case(target, block, d, dtype, "forward", implementation="pallas")
                 for block in BLOCKS for d in WIDTHS if d >= 256 for dtype in DTYPES]
+      # Multi-head attention over each row's tokens as libraries write it
+      # (rows and heads both batch axes): forward and backward kernels.
+      cases += [Case(target, block, 128, dtype, mode)
+                for block in ATTENTION for dtype in DTYPES for mode in ("forward", "full")]
       for block in BLOCKS:
         cases += [Case(target, block, 128, "bfloat16", mode)
                   for mode in ("truncated", "implicit", "phantom")]
@@ -169,6 +189,11 @@ def matrix(full: bool, targets) -> list[Case]:
                   Case(target, block, 128, "bfloat16", "full", tol=True),
                   Case(target, block, 128, "bfloat16", "full", outputs=True)]
     else:
+      if TARGETS[target][0] == "cuda":
+        # Attention as Flax writes it: Triton declines its batched dots, so XLA
+        # runs it with the warning, and "pallas" raises first (compiled in a
+        # few seconds; the TPU's attention kernels take minutes, in --full).
+        cases.append(Case(target, "attention_flax", 128, "bfloat16", "full"))
       # A step that reads its layer as params[index] (step_index=True): the
       # forward kernel reads one step's slice of the stacked weights.
       cases += [Case(target, "untied_rnn", 128, "bfloat16", "forward", implementation="pallas"),
@@ -248,20 +273,32 @@ def _function(case: Case, implementation: str | None = None):
   import pallas_loop  # pylint: disable=g-import-not-at-top
   from benchmarks import blocks  # pylint: disable=g-import-not-at-top
 
-  step, params, h0, x = blocks.make(case.block, BATCH, case.d, jnp.dtype(case.dtype))
+  kw: dict[str, Any] = dict(max_iters=MAX_ITERS, grad=_grad_mode(case.mode))
+  if case.block in ATTENTION:
+    from benchmarks import attention  # pylint: disable=g-import-not-at-top
+    step, params, h0, x, style_kw = attention.make(
+        ATTENTION[case.block], BATCH, case.d, jnp.dtype(case.dtype))
+    kw.update(style_kw)
+  else:
+    step, params, h0, x = blocks.make(case.block, BATCH, case.d, jnp.dtype(case.dtype))
   n = jnp.arange(BATCH, dtype=jnp.int32) % (MAX_ITERS + 1)
-  kw: dict[str, Any] = dict(max_iters=MAX_ITERS, grad=_grad_mode(case.mode),
-                            block_rows=case.block_rows, implementation=implementation)
+  # How to run: one pallas_loop.Options (keywords of iterate in a checkout
+  # from before it, which this script also measures).
+  how: dict[str, Any] = dict(block_rows=case.block_rows, implementation=implementation)
   if implementation == "pallas":
-    kw["interpret"] = False
+    how["interpret"] = False
   if case.tol:
     kw["tol"] = 1e-3
   if case.block == "untied_rnn":
     kw["step_index"] = True
   if case.hoist is not None:
-    kw["hoist"] = case.hoist
+    how["hoist"] = case.hoist
   if case.schedule is not None:
-    kw["schedule"] = case.schedule
+    how["schedule"] = case.schedule
+  if hasattr(pallas_loop, "Options"):
+    kw["options"] = pallas_loop.Options(**how)
+  else:
+    kw.update(how)
   if case.outputs:
     # PonderNet's shape of output: a prediction per row and step (the
     # state's first leaf) and a halting logit (a per-row scalar).

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks import compile_check
+import pallas_loop
 from pallas_loop import deq
 
 SOLVERS = {"broyden20": lambda: deq.Broyden(m=20), "broyden8": lambda: deq.Broyden(m=8),
@@ -39,8 +40,8 @@ B, D = 4096, 128
 def _loss(solver: deq.Solver, implementation: str | None):
   def loss(w, h0, x):
     h = deq.fixed_point(lambda w, h, x: jnp.tanh(h @ w + x), w, h0, x, solver=solver,
-                        tol=1e-4, max_iters=32, implementation=implementation,
-                        on_failure="ignore")
+                        tol=1e-4, max_iters=32, on_failure="ignore",
+                        options=pallas_loop.Options(implementation=implementation))
     return jnp.sum(h)
   return jax.value_and_grad(loss)
 

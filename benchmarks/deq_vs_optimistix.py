@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_loop
 from pallas_loop import deq
 from pallas_loop import tuning
 
@@ -72,7 +73,8 @@ def ours(tol: float, max_steps: int, solver: deq.Solver):
     h0 = jnp.zeros((x.shape[0], params["w"].shape[0]))
     h, info = deq.fixed_point(layer, params, h0, x,
                               solver=solver, tol=tol, max_iters=max_steps,
-                              on_failure="ignore", return_info=True, implementation="xla")
+                              on_failure="ignore", return_info=True,
+                              options=pallas_loop.Options(implementation="xla"))
     return h, info.steps, info.converged
 
   return solve

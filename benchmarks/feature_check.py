@@ -4,8 +4,8 @@
 `iterate` that changes what the kernels do (gradient modes, halting, keys,
 the step index, per-step outputs, hoisting, integer leaves, pytree state,
 tile heights, padding) through `pallas_loop.testing.check_against_reference`
-with `implementation="pallas"` and the default `interpret=None`: the
-compiled kernel on a GPU or TPU, the interpreter on a CPU (`--smoke`).
+with `Options(implementation="pallas")` and the default `interpret=None`:
+the compiled kernel on a GPU or TPU, the interpreter on a CPU (`--smoke`).
 
 float32 cases run under `jax.default_matmul_precision("highest")`, in the
 kernel and in the oracle alike: at DEFAULT, a TPU multiplies float32
@@ -61,41 +61,47 @@ def _with_output(step):
 @dataclasses.dataclass(frozen=True)
 class Feature:
   """One check: `block` built by `benchmarks.blocks.make`, its step wrapped
-  by `wrap`, the state by `state`, run with `options`."""
+  by `wrap`, the state by `state`, run with `keywords` (of `iterate`) and
+  `options` (how to run; None: `check_against_reference`'s default, the
+  kernel)."""
 
   name: str
   block: str = "tanh_rnn"
   dtype: str = "float32"
-  options: dict = dataclasses.field(default_factory=dict)
+  keywords: dict = dataclasses.field(default_factory=dict)
+  options: pallas_loop.Options | None = None
   wrap: Callable[[Any], Any] | None = None
   state: Callable[[Any], Any] | None = None
   counts: str = "recurrent_depth"
 
 
+# The kernel, compiled on a GPU or TPU, interpreted on a CPU.
+KERNEL = pallas_loop.Options(implementation="pallas")
+
 FEATURES: tuple[Feature, ...] = (
     Feature("full gradient"),
-    Feature("full, checkpoint every step", options={"grad": pallas_loop.Full(checkpoint_every=1)}),
-    Feature("truncated(4)", options={"grad": pallas_loop.Truncated(4)}),
-    Feature("hoist=False", options={"hoist": False}),
-    Feature("sort_rows=False", options={"sort_rows": False}),
+    Feature("full, checkpoint every step", keywords={"grad": pallas_loop.Full(checkpoint_every=1)}),
+    Feature("truncated(4)", keywords={"grad": pallas_loop.Truncated(4)}),
+    Feature("hoist=False", options=KERNEL.replace(hoist=False)),
+    Feature("sort_rows=False", options=KERNEL.replace(sort_rows=False)),
     Feature("gru bf16", block="gru", dtype="bfloat16"),
     Feature("lstm (pytree state)", block="lstm"),
     Feature("residual mlp + layer norm", block="residual_mlp_ln"),
     Feature("int32 counter in the state", wrap=_with_counter,
             state=lambda h: (jnp.zeros((h.shape[0],), jnp.int32), h)),
     Feature("tol halting, min_iters=2", block="deq", counts="constant",
-            options={"tol": 1e-3, "min_iters": 2}),
+            keywords={"tol": 1e-3, "min_iters": 2}),
     Feature("implicit gradient (forward and halting)", block="deq", counts="constant",
-            options={"tol": 1e-4, "grad": pallas_loop.Implicit()}),
+            keywords={"tol": 1e-4, "grad": pallas_loop.Implicit()}),
     Feature("phantom(3) (forward)", block="deq", counts="constant",
-            options={"tol": 1e-4, "grad": pallas_loop.Phantom(3)}),
-    Feature("key= dropout", wrap=_dropout, options={"key": jax.random.key(5)}),
+            keywords={"tol": 1e-4, "grad": pallas_loop.Phantom(3)}),
+    Feature("key= dropout", wrap=_dropout, keywords={"key": jax.random.key(5)}),
     # The backward kernel declines stacked per-step weights (their gradient
     # is a dynamic_update_slice, which neither backend lowers): the default
     # implementation runs the forward kernel and the XLA backward.
     Feature("step index, untied layers (XLA backward)", block="untied_rnn",
-            options={"step_index": True, "implementation": None}),
-    Feature("per-step outputs", wrap=_with_output, options={"step_outputs": True}),
+            keywords={"step_index": True}, options=pallas_loop.Options()),
+    Feature("per-step outputs", wrap=_with_output, keywords={"step_outputs": True}),
 )
 
 
@@ -122,7 +128,8 @@ def run(feature: Feature, batch: int, d: int, max_iters: int) -> dict:
   try:
     with pallas_loop.testing.poisoned_padding(), jax.default_matmul_precision("highest"):
       report = pallas_loop.testing.check_against_reference(
-          step, params, h0, x, iters=iters, max_iters=t, **feature.options)
+          step, params, h0, x, iters=iters, max_iters=t, options=feature.options,
+          **feature.keywords)
     line.update(ok=True, grads_compared=report.gradients_compared,
                 max_abs_error=max(c.max_abs for c in report.comparisons),
                 max_rel_error=max(c.max_rel for c in report.comparisons))

@@ -9,7 +9,7 @@ did):
 
 1. Correctness: for each of the four compile-check blocks (tanh RNN, GRU,
    LSTM, residual MLP with layer norm; B=4096, D=128, bfloat16) the forward
-   and `grad` with the default `implementation=None` (what a user gets: the
+   and `grad` with the default `Options()` (what a user gets: the
    kernel, or XLA with the warning) and with `"pallas"`, against
    `reference.iterate`, padded rows poisoned with NaN. Compile seconds are
    recorded per item.
@@ -20,13 +20,13 @@ did):
    a TPU, next, the tile-height sweep (`tiles.tpu_sweep`: 128 to 2048 rows
    beside the masked scan), the TPU's first design question.
 2. Which design wins (`design_variants`): the fused kernel with and without
-   loop-invariant hoisting (`hoist=True/False`), with libdevice's tanh in
-   place of the hardware's (`approx_tanh=False`), and under each tile
+   loop-invariant hoisting (`Options(hoist=True/False)`), with libdevice's
+   tanh in place of the hardware's (`approx_tanh=False`), and under each tile
    schedule (`schedule="grid"/"persistent"`) against the masked scan and
    vmap(lax.while_loop), tanh RNN and GRU, D=128 bfloat16, counts uniform in
    [1, 64], B=4096 and B=32768 forward, then B=4096 forward+backward
-   (hoisting and tanh only); compile seconds recorded. A keyword this checkout's
-   `iterate` lacks is a skipped line with the reason.
+   (hoisting and tanh only); compile seconds recorded. An option this checkout's
+   `pallas_loop.Options` lacks is a skipped line with the reason.
 3. Timing, D=128 first: pallas vs the masked scan vs vmap(lax.while_loop) vs
    the XLA implementation on `cases.gpu_suite()` (every count distribution;
    forward, and forward+backward on recurrent-depth counts); ratios within
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
+import dataclasses
 import json
 import statistics
 import sys
@@ -83,7 +83,7 @@ def check_block(block: str, batch: int, d: int, max_iters: int, implementation) 
     return sum(jnp.sum(jnp.tanh(a.astype(jnp.float32))) for a in jax.tree.leaves(forward(run, p)))
 
   def ours(*a, **k):
-    return pallas_loop.iterate(*a, implementation=implementation, **k)
+    return pallas_loop.iterate(*a, **k, options=pallas_loop.Options(implementation=implementation))
 
   out: dict = {"item": "correctness", "block": block, "batch": batch, "d": d,
                "dtype": "bfloat16", "implementation": implementation}
@@ -112,8 +112,8 @@ def check_block(block: str, batch: int, d: int, max_iters: int, implementation) 
 
 # The design question the first device answers: the fused kernel with and
 # without loop-invariant hoisting and under each tile schedule, against the
-# masked scan and vmap(lax.while_loop). (name, iterate keywords); the
-# baselines have none.
+# masked scan and vmap(lax.while_loop). (name, fields of the kernel's
+# pallas_loop.Options); the baselines have none.
 DESIGN_VARIANTS: tuple[tuple[str, dict], ...] = (
     ("masked_scan", {}),
     ("vmap_while", {}),
@@ -127,13 +127,13 @@ DESIGN_VARIANTS: tuple[tuple[str, dict], ...] = (
 
 
 def unsupported_keywords(keywords: dict) -> list[str]:
-  """The keywords `pallas_loop.iterate` does not take (in this checkout).
+  """The options this checkout's `pallas_loop.Options` has no field for.
 
   Example:
-    >>> unsupported_keywords({"max_iters": 4, "no_such_option": 1})
+    >>> unsupported_keywords({"hoist": False, "no_such_option": 1})
     ['no_such_option']
   """
-  accepted = inspect.signature(pallas_loop.iterate).parameters
+  accepted = {f.name for f in dataclasses.fields(pallas_loop.Options)}
   return [k for k in keywords if k not in accepted]
 
 
@@ -143,8 +143,8 @@ def design_variants(block: str, batch: int, d: int, max_iters: int, repeats: int
 
   Every variant is lowered and compiled (timed: `compile_s`), run once and
   checked against the masked scan, then all are timed round-robin
-  (`repeats` rounds, medians). A variant whose keyword this `iterate` does
-  not take is a line with `skipped` and the reason; one that fails to
+  (`repeats` rounds, medians). A variant whose option this `Options` does
+  not have is a line with `skipped` and the reason; one that fails to
   compile or run is a line with its error (and `ok` False). With `grad`,
   `jax.grad` of sum(tanh(output)) in the parameters (vmap_while has no
   reverse-mode gradient, and the schedules are left to the forward).
@@ -173,14 +173,15 @@ def design_variants(block: str, batch: int, d: int, max_iters: int, repeats: int
     lines.append(line)
     missing = unsupported_keywords(kw)
     if missing:
-      line["skipped"] = f"pallas_loop.iterate does not take {missing} in this checkout"
+      line["skipped"] = f"pallas_loop.Options has no {missing} in this checkout"
       continue
     if name == "masked_scan":
       impl = reference.iterate
     elif name == "vmap_while":
       impl = harness.vmap_while
     else:
-      impl = functools.partial(pallas_loop.iterate, implementation="pallas", **kw)
+      impl = functools.partial(pallas_loop.iterate,
+                               options=pallas_loop.Options(implementation="pallas", **kw))
     run = functools.partial(impl, step, iters=iters, max_iters=max_iters)
     if grad:
       fn = jax.jit(jax.grad(lambda p, h, x_, run=run: sum(

@@ -94,7 +94,8 @@ def run_case(case: GradCase, impls, repeats: int):
   want = ref(*args)
   rows = []
   for impl in impls:
-    f = grad_fn(pallas_loop.iterate, grad=case.mode, implementation=impl)
+    options = pallas_loop.Options(implementation=impl)
+    f = grad_fn(pallas_loop.iterate, grad=case.mode, options=options)
     got = f(*args)
     err = error(got, want)
     mem = f.lower(*args).compile().memory_analysis().temp_size_in_bytes
@@ -108,7 +109,7 @@ def run_case(case: GradCase, impls, repeats: int):
       # the oracle run for exactly the implementation's own steps (no `tol`)
       # is the exact check; the steps themselves may differ by at most one,
       # on at most 1% of the rows.
-      got_steps = steps_of(pallas_loop.iterate, implementation=impl)
+      got_steps = steps_of(pallas_loop.iterate, options=options)
       loss_at = lambda p, h, x_: jnp.sum(cot * reference.iterate(
           step, p, h, x_, iters=jnp.asarray(got_steps), max_iters=case.max_iters, **ref_kw))
       err_at_steps = error(got, jax.jit(jax.grad(loss_at, argnums=(0, 1, 2)))(*args))

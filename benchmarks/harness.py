@@ -10,9 +10,10 @@ same inputs, so the printed figures are ratios within one run:
                 what a careful user writes instead (blocks that have such work)
   vmap_while    jax.vmap of a per-row lax.while_loop (pays for the slowest row;
                 no reverse-mode gradient)
-  xla           pallas_loop.iterate(implementation="xla")
-  pallas        pallas_loop.iterate(implementation="pallas") (interpret mode on
-                CPU: a correctness vehicle there, not a speed claim)
+  xla           pallas_loop.iterate(options=Options(implementation="xla"))
+  pallas        pallas_loop.iterate(options=Options(implementation="pallas"))
+                (interpret mode on CPU: a correctness vehicle there, not a
+                speed claim)
 
 Timing measures the device, not the host (`device_timing.py`): each
 implementation is applied `chain` times inside one jit, the state fed back
@@ -111,8 +112,10 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "masked_scan": reference.iterate,
     "hoisted_scan": hoisted_scan,
     "vmap_while": vmap_while,
-    "xla": lambda *a, **k: pallas_loop.iterate(*a, implementation="xla", **k),
-    "pallas": lambda *a, **k: pallas_loop.iterate(*a, implementation="pallas", **k),
+    "xla": lambda *a, **k: pallas_loop.iterate(
+        *a, **k, options=pallas_loop.Options(implementation="xla")),
+    "pallas": lambda *a, **k: pallas_loop.iterate(
+        *a, **k, options=pallas_loop.Options(implementation="pallas")),
 }
 
 

@@ -6,8 +6,8 @@
 Row skipping assumes that a step on S rows costs S/B of a step on B rows. This
 probe measures that assumption on the current machine: for S rows, the median
 time of `steps` steps of the bare block in a `lax.fori_loop` (no masking), and
-of `iterate(implementation="xla")` with S rows of count `steps` and the others
-0, both divided by steps*S. Prints one line per S.
+of `iterate(options=Options(implementation="xla"))` with S rows of count
+`steps` and the others 0, both divided by steps*S. Prints one line per S.
 
 `--bound` turns the measured costs into the best fraction of the ideal speedup
 that *any* schedule running each row from step 0 on a padded prefix of rows can
@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     _bound(step, params, h0, x, bare, args)
     return 0
   run = jax.jit(lambda n: pallas_loop.iterate(step, params, h0, x, iters=n,
-                                              max_iters=args.steps, implementation="xla"))
+                                              max_iters=args.steps,
+                                              options=pallas_loop.Options(implementation="xla")))
   sizes = [s for s in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if s <= args.batch]
   for s in sizes:
     n = jnp.asarray(np.where(np.arange(args.batch) < s, args.steps, 0), jnp.int32)

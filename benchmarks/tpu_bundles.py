@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     sub = os.path.join(out_dir, name)
     os.environ["LIBTPU_INIT_ARGS"] = os.environ["LIBTPU_INIT_ARGS"]  # the first compile fixes it
     fn = lambda p, h, x_, n, step=step: pallas_loop.iterate(
-        step, p, h, x_, iters=n, max_iters=args.max_iters, implementation="pallas")
+        step, p, h, x_, iters=n, max_iters=args.max_iters,
+        options=pallas_loop.Options(implementation="pallas"))
     compile_and_dump(fn, (params, h0, x, counts), sub)
     # libtpu writes every program to the directory it was started with.
     dumps = kernel_dumps(out_dir, args.kernel)

@@ -303,9 +303,11 @@ def baselines(write, args) -> None:
           "iterate": lambda h, r: pallas_loop.iterate(
               step, params, h, r["x"], iters=r["counts"], max_iters=t_max),
           "iterate C=1024": lambda h, r: pallas_loop.iterate(
-              step, params, h, r["x"], iters=r["counts"], max_iters=t_max, block_rows=1024),
+              step, params, h, r["x"], iters=r["counts"], max_iters=t_max,
+              options=pallas_loop.Options(block_rows=1024)),
           "iterate C=4096": lambda h, r: pallas_loop.iterate(
-              step, params, h, r["x"], iters=r["counts"], max_iters=t_max, block_rows=4096),
+              step, params, h, r["x"], iters=r["counts"], max_iters=t_max,
+              options=pallas_loop.Options(block_rows=4096)),
           "iterate one group": lambda h, r: _traced_with(
               kernel_tpu_groups, dict(GROUPS=1), pallas_loop.iterate,
               step, params, h, r["x"], iters=r["counts"], max_iters=t_max),
@@ -315,7 +317,7 @@ def baselines(write, args) -> None:
               step, params, h, r["x"], iters=r["counts"], max_iters=t_max),
           "iterate_xla": lambda h, r: pallas_loop.iterate(
               step, params, h, r["x"], iters=r["counts"], max_iters=t_max,
-              implementation="xla"),
+              options=pallas_loop.Options(implementation="xla")),
           "prototype_forward": lambda h, r: prototype_forward(
               h, r["x"], r["counts"], params, max_iters=t_max),
       }

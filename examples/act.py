@@ -260,7 +260,8 @@ def main(argv=None) -> int:
   args.batch = 32 if args.quick else 128
   args.steps = args.steps or (12 if args.quick else 800)
   args.max_steps, args.eps, args.tau, args.lr = 10, 0.01, 1e-3, 3e-3
-  iterate = functools.partial(pallas_loop.iterate, implementation=args.implementation)
+  iterate = functools.partial(pallas_loop.iterate,
+                              options=pallas_loop.Options(implementation=args.implementation))
   print(f"ACT: max_iters M={args.max_steps}, eps={args.eps}, ponder weight tau={args.tau}; "
         f"Adam lr {args.lr}, batch {args.batch}, {args.steps} steps per part; "
         f"{jax.devices()[0].platform.upper()}")

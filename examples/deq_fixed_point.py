@@ -50,9 +50,10 @@ def main(argv=None) -> int:
   batch, d, max_iters, tol = (64, 16, 100, 1e-5) if args.quick else (1024, 64, 200, 1e-6)
 
   params, h0, x = make_problem(batch, d)
+  options = pallas_loop.Options(implementation=args.implementation)
   run = jax.jit(lambda p, h, x: pallas_loop.iterate(
-      deq_layer, p, h, x, iters=max_iters, max_iters=max_iters, tol=tol,
-      implementation=args.implementation, return_info=True))
+      deq_layer, p, h, x, iters=max_iters, max_iters=max_iters, tol=tol, return_info=True,
+      options=options))
   h_star, info = run(params, h0, x)
 
   steps = np.asarray(info.steps)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import pallas_loop
 from pallas_loop import deq
 
 D, DX, DY = 32, 16, 4
@@ -65,7 +66,8 @@ def solve(params, x, solver, *, tol, max_iters, adjoint=None, implementation=Non
   """The DEQ's fixed point for each row of x, with its SolveInfo."""
   return deq.fixed_point(layer, params, jnp.zeros((x.shape[0], D)), x, solver=solver, tol=tol,
                          max_iters=max_iters, adjoint=adjoint, on_failure="ignore",
-                         return_info=True, implementation=implementation)
+                         return_info=True,
+                         options=pallas_loop.Options(implementation=implementation))
 
 
 def loss_fn(params, x, targets, solver, adjoint, tol, max_iters, implementation):
@@ -97,7 +99,7 @@ def train(params, x, targets, adjoint, *, steps, tol, max_iters, implementation,
                               tol=tol, max_iters=max_iters, adjoint=adjoint,
                               on_failure="ignore", return_info=True,
                               adjoint_probe=probe if implicit else None,
-                              implementation=implementation)
+                              options=pallas_loop.Options(implementation=implementation))
     return jnp.mean(jnp.square(h @ params["v"] - targets)), info
 
   @jax.jit

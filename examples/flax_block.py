@@ -73,7 +73,8 @@ def main(argv=None) -> int:
   step = make_step(graphdef)
 
   def loss_fn(params, iterate):
-    kw = {} if iterate is reference.iterate else {"implementation": args.implementation}
+    kw = ({} if iterate is reference.iterate
+          else {"options": pallas_loop.Options(implementation=args.implementation)})
     h = iterate(step, params, h0, x, iters=n, max_iters=max_iters, **kw)
     return jnp.mean(jnp.square(h - target))
 

@@ -19,7 +19,8 @@ take [rows, 2] keys at once. Two ways to feed it:
    `nn.Dropout` / `nnx.Dropout` then call `jax.random.bernoulli` on that key.
    That runs in the XLA implementation (the default on CPU) and in Pallas
    interpret mode, but jax.random does not lower inside a compiled Pallas
-   kernel (Triton), so on a GPU pass `implementation="xla"`.
+   kernel (Triton), so on a GPU pass
+   `options=pallas_loop.Options(implementation="xla")`.
 
 2. On the whole tile, everywhere (the kernel included): pass the per-row
    keys into the module as an argument and draw with
@@ -145,7 +146,8 @@ def train(name, step, params, data, *, per_example, implementation, n_steps, lr=
 
   def loss_fn(params, k):
     h = pallas_loop.iterate(step, params, h0, x, iters=n, max_iters=max_iters, key=k,
-                            per_example=per_example, implementation=implementation)
+                            per_example=per_example,
+                            options=pallas_loop.Options(implementation=implementation))
     return jnp.mean(jnp.square(h - target))
 
   def ref_loss_fn(params, k):

@@ -67,7 +67,7 @@ def loss_fn(params: dict, x: jax.Array, target: jax.Array) -> tuple[jax.Array, d
   to the geometric prior. Every row runs N steps (training needs them all)."""
   h0 = jnp.zeros((x.shape[0], HIDDEN))
   _, ys = pallas_loop.iterate(cell, params, h0, x, max_iters=N, step_outputs=True,
-                              implementation="xla")
+                              options=pallas_loop.Options(implementation="xla"))
   p = halting_distribution(ys["lam"])                       # [N, B]
   # softplus(l) - l t: smooth at l = 0 (a max/abs form has a kink there,
   # where autodiff picks one side: rows of all-zero inputs sit on it).

@@ -252,7 +252,8 @@ def main(argv=None) -> int:
     eval_lengths, eval_batch, most_steps = (16, 32, 64), 256, 4
     args.plot = args.plot or "recurrent_depth.png"
   args.width, args.hidden, args.k, args.lr = 16, 32, 8, 3e-3
-  iterate = functools.partial(pallas_loop.iterate, implementation=args.implementation)
+  iterate = functools.partial(pallas_loop.iterate,
+                              options=pallas_loop.Options(implementation=args.implementation))
 
   print(f"prefix parity, {args.length}-bit strings, batch {args.batch}; latent {args.width} per "
         f"position; depth per example ~ 1 + Poisson(LogNormal(mean {args.mean})) capped at "

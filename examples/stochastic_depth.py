@@ -98,7 +98,8 @@ def main(argv=None) -> int:
 
   def fused(params, h0, depth, key):
     return pallas_loop.iterate(residual_layer, params, h0, iters=depth, max_iters=MAX_ITERS,
-                               key=key, implementation=args.implementation)
+                               key=key,
+                               options=pallas_loop.Options(implementation=args.implementation))
 
   def masked_scan(params, h0, depth, key):
     return reference.iterate(residual_layer, params, h0, iters=depth, max_iters=MAX_ITERS,

@@ -61,7 +61,7 @@ def make_iterate_per_example(implementation):
   def per_example(h0, n):
     # iterate wants a row axis: this example is a batch of one row.
     return pallas_loop.iterate(double, None, h0[None], iters=n, max_iters=3,
-                               implementation=implementation)[0]
+                               options=pallas_loop.Options(implementation=implementation))[0]
 
   return per_example
 
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
   grads = jax.grad(lambda h: jnp.sum(jax.vmap(per_example)(h, counts)))(h0)
   print(f"    d sum(out) / d h0, per example: {np.asarray(grads)[:, 0].tolist()} (= 2**n)")
   batched = pallas_loop.iterate(double, None, h0, iters=counts, max_iters=3,
-                                implementation=args.implementation)
+                                options=pallas_loop.Options(implementation=args.implementation))
   print(f"    the same without vmap (rows = examples): {np.asarray(batched)[:, 0].tolist()}")
   want = reference.iterate(double, None, h0, iters=counts, max_iters=3)
   expected = np.broadcast_to(np.array([[2.0], [4.0], [8.0]]), (3, 5))
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     w = jax.random.normal(jax.random.key(1), (d, d)) / np.sqrt(d)
     run = jax.jit(jax.vmap(lambda h, n: pallas_loop.iterate(
         tanh_block, w, h[None], iters=n, max_iters=max_iters,
-        implementation=args.implementation)[0]))
+        options=pallas_loop.Options(implementation=args.implementation))[0]))
     got = run(hb, nb)
     ref = reference.iterate(tanh_block, w, hb, iters=nb, max_iters=max_iters)
     err = float(jnp.max(jnp.abs(got - ref)))

@@ -8,14 +8,19 @@ Two functions, meant to be the first thing a user runs on their own `step`:
   results there. This checks that permuting the rows permutes the output,
   that a subset of the rows gives those rows' output, and that changing one
   row changes no other row's output.
+* `check_compiles(step, params, h0, x, iters=..., max_iters=...)`: lowers
+  (and, where the compiler is installed, compiles) your own call for a TPU
+  and a GPU without either, and reports per gradient mode which kernel runs
+  on each and why XLA runs instead where it does.
 * `check_against_reference(step, params, h0, x, iters=..., max_iters=...)`:
   runs `pallas_loop.iterate` (by default the Pallas kernel; interpret mode on
   CPU) and the oracle (a plain masked `lax.scan`) on the user's own
   inputs, forward and gradients, and raises an `AssertionError` naming the
   output or gradient leaf, the rows and the size of every difference.
 
-Both raise `AssertionError` (so they read naturally inside a test) and return
-quietly otherwise; `check_against_reference` returns the measured errors.
+They raise `AssertionError` (so they read naturally inside a test);
+`check_against_reference` returns the measured errors and `check_compiles`
+what runs where.
 
 `poisoned_padding()` makes the kernels pad their tiles with NaN, so that a
 test shows any padded row reaching a result.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 from unittest import mock
 
@@ -36,17 +42,26 @@ from jax.typing import ArrayLike, DTypeLike
 import numpy as np
 
 import pallas_loop._reference as reference
-from pallas_loop._src import iterate as iterate_lib
+from pallas_loop._src import deviceless
+from pallas_loop._src import dispatch
 from pallas_loop._src import grad_modes
+from pallas_loop._src import iterate as iterate_lib
+from pallas_loop._src import kernel_backward
+from pallas_loop._src import kernel_forward
+from pallas_loop._src import options as options_lib
 from pallas_loop._src import row_checks
 from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src import tiling
 from pallas_loop._src import validation
+from pallas_loop._src.options import Options
 
 __all__ = [
+    "CompileLine",
+    "CompileReport",
     "Comparison",
     "ReferenceCheck",
     "check_against_reference",
+    "check_compiles",
     "check_row_independence",
     "default_tolerance",
 ]
@@ -63,8 +78,9 @@ _TOLERANCES = {
     np.dtype(jnp.bfloat16): (5e-2, 1e-2),
 }
 
-# Options of `iterate` that only concern how it runs: never given to the reference.
-_ITERATE_ONLY = ("implementation", "interpret", "block_rows", "sort_rows", "grad")
+# Keywords of `iterate` never given to the reference (besides `options`, how
+# it runs): the reference takes the gradient mode's own arguments instead.
+_ITERATE_ONLY = ("grad",)
 _MAX_LISTED = 5  # rows / indices listed in a message before "..."
 
 
@@ -245,7 +261,8 @@ def check_against_reference(
     atol: float | None = None,
     grads: bool = True,
     seed: int = 0,
-    **options: Any,
+    options: Options | None = None,
+    **kwargs: Any,
 ) -> ReferenceCheck:
   """Runs `pallas_loop.iterate` and the oracle on your inputs and compares.
 
@@ -260,10 +277,9 @@ def check_against_reference(
   elementwise with dtype-aware tolerances (`default_tolerance`); a NaN
   matches a NaN.
 
-  Options are split by who understands them: `implementation`, `interpret`,
-  `block_rows`, `sort_rows` and `grad` go only to `iterate`; `tol`, `halt`,
-  `min_iters` (and any other keyword the oracle accepts, such as `key`) go
-  to both. Gradients are compared for the exact modes:
+  Keywords are split by who understands them: `options` and `grad` go only
+  to `iterate`; `tol`, `halt`, `min_iters` (and any other keyword the oracle
+  accepts, such as `key`) go to both. Gradients are compared for the exact modes:
   `grad="full"` (the default), `Full(...)`, and `Truncated(k)` (against the
   reference's `stop_gradient` truncation); `Implicit` and `Phantom`
   approximate the gradient on purpose and the reference has no counterpart,
@@ -282,10 +298,17 @@ def check_against_reference(
     atol: overrides the per-dtype absolute tolerance likewise.
     grads: compare gradients too (default True).
     seed: seeds the random cotangent.
-    **options: keyword options of `iterate`. Default
-      `implementation="pallas"`: the kernel, in interpret mode on CPU (pass
-      `implementation="xla"` to check the XLA loop, or `interpret=False` on
-      a GPU/TPU to check the compiled kernel).
+    options: how `iterate` runs, a `pallas_loop.Options`, forwarded whole
+      and as given (its `implementation=None` is the automatic choice: XLA
+      on CPU). None (the default): `Options(implementation="pallas")`, the
+      kernel, in interpret mode on CPU under the TPU's rules
+      (`Options(implementation="pallas", interpret="gpu")`: the GPU's), so
+      what that kernel declines raises here too (pass
+      `Options(implementation="xla")` to check the XLA loop, or
+      `Options(implementation="pallas", interpret=False)` on a GPU/TPU to
+      check the compiled kernel).
+    **kwargs: further keywords of `iterate` (`tol`, `halt`, `min_iters`,
+      `key`, `grad`, `step_index`, ...).
 
   Returns:
     A `ReferenceCheck` holding every leaf's `Comparison` (max abs/rel error);
@@ -310,24 +333,27 @@ def check_against_reference(
     >>> print(report)                 # doctest: +ELLIPSIS
     output h (float32[16, 8]): ok; max abs err ...
   """
-  if "return_info" in options:
+  if "return_info" in kwargs:
     raise TypeError("check_against_reference sets return_info itself; do not pass it.")
+  options_lib.reject_keywords(
+      "check_against_reference", {k: v for k, v in kwargs.items() if k in options_lib.FIELDS})
+  options = (Options(implementation="pallas") if options is None
+             else options_lib.check_options(options))
   ref_accepts = set(inspect.signature(reference.iterate).parameters)
-  iterate_accepts = set(inspect.signature(iterate_lib.iterate).parameters)
-  unknown = sorted(set(options) - ref_accepts - iterate_accepts)
+  iterate_accepts = set(inspect.signature(iterate_lib.iterate).parameters) - {"kwargs"}
+  unknown = sorted(set(kwargs) - ref_accepts - iterate_accepts)
   if unknown:
-    raise TypeError(f"unknown options {unknown}: neither pallas_loop.iterate nor "
+    raise TypeError(f"unknown keywords {unknown}: neither pallas_loop.iterate nor "
                     "reference.iterate takes them.")
-  options = {"implementation": "pallas", **options}
-  shared = {k: v for k, v in options.items()
+  shared = {k: v for k, v in kwargs.items()
             if k in ref_accepts and k not in _ITERATE_ONLY}
   # Gradients are compared where the reference computes the same ones ("full",
   # or Truncated(k) by stop_gradient): the mode says with which arguments.
-  reference_grad = grad_modes.as_mode(options.get("grad", "full")).reference_grad()
+  reference_grad = grad_modes.as_mode(kwargs.get("grad", "full")).reference_grad()
   if reference_grad is not None:
     shared.update(reference_grad)
   compare_grads = grads and reference_grad is not None
-  halting = options.get("tol") is not None or options.get("halt") is not None
+  halting = kwargs.get("tol") is not None or kwargs.get("halt") is not None
 
   def with_info(result: tuple) -> tuple[Any, Any]:
     # (h, info), or (h, ys, info) with per-step outputs: ((h, ys), info).
@@ -336,7 +362,7 @@ def check_against_reference(
 
   def impl(p: Any, h: Any, x_: Any) -> Any:
     return with_info(iterate_lib.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
-                                         return_info=True, **options))
+                                         return_info=True, options=options, **kwargs))
 
   def ref(p: Any, h: Any, x_: Any) -> Any:
     return with_info(reference.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
@@ -368,7 +394,8 @@ def check_against_reference(
   report = ReferenceCheck(tuple(comparisons), compare_grads)
   failed = [c for c in comparisons if not c.ok]
   if failed:
-    chosen = ", ".join(f"{k}={v!r}" for k, v in options.items() if k in _ITERATE_ONLY)
+    chosen = ", ".join([f"options={options!r}"]
+                       + [f"{k}={v!r}" for k, v in kwargs.items() if k in _ITERATE_ONLY])
     raise AssertionError(
         f"pallas_loop.iterate ({chosen}) differs from reference.iterate:\n  "
         + "\n  ".join(c.describe() for c in failed)
@@ -392,8 +419,8 @@ def poisoned_padding() -> Iterator[None]:
     >>> import jax.numpy as jnp, pallas_loop
     >>> with pallas_loop.testing.poisoned_padding():
     ...   h = pallas_loop.iterate(lambda p, h, x: h + 1, None, jnp.zeros((5, 2)),
-    ...                           max_iters=2, implementation="pallas",
-    ...                           block_rows=8)
+    ...                           max_iters=2, options=pallas_loop.Options(
+    ...                               implementation="pallas", block_rows=8))
     >>> bool(jnp.all(h == 2))
     True
   """
@@ -593,3 +620,205 @@ def check_row_independence(
   # 4. What the jaxpr shows that these values did not.
   if structural is not None:
     raise AssertionError(str(structural)) from structural
+
+
+# --- Compiling for the accelerators without one --------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileLine:
+  """What one kernel of one call does on one target (`check_compiles`).
+
+  Attributes:
+    target: "tpu" (a TPU v5e) or "gpu" (an NVIDIA H200).
+    grad: "forward" (the call alone), or the gradient mode differentiated
+      ("full", "Truncated(4)", ...).
+    kernel: "forward" or "backward" (the backward kernel of that mode;
+      Implicit's adjoint solve is a forward kernel).
+    runs: "kernel", "XLA" (the default falls back, with the warning that
+      says why), or "raises" (`implementation="pallas"` declined it).
+    why: the rule that sent it to XLA (or the error); empty for a kernel.
+    proof: "compiled" (the target's compiler built it, deviceless),
+      "exported" (`jax.export` lowered it; the compiler is not installed
+      here), or "failed" (the compiler or the export failed: a bug).
+    detail: the compiler used, why it was not, or the failure.
+  """
+
+  target: str
+  grad: str
+  kernel: str
+  runs: str
+  why: str
+  proof: str
+  detail: str = ""
+
+  def describe(self) -> str:
+    runs = self.runs if not self.why else f"{self.runs} ({self.why})"
+    return (f"{self.target:3s} {self.grad:14s} {self.kernel:8s} {runs}; "
+            f"{self.proof}{': ' + self.detail if self.detail else ''}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+  """Every `CompileLine` of a `check_compiles` call."""
+
+  lines: tuple[CompileLine, ...]
+
+  def __str__(self) -> str:
+    return "\n".join(line.describe() for line in self.lines)
+
+  def runs(self, target: str, grad: str = "forward", kernel: str = "forward") -> str:
+    """Where a kernel runs: "kernel", "XLA" or "raises" (first such line)."""
+    for line in self.lines:
+      if (line.target, line.grad, line.kernel) == (target, grad, kernel):
+        return line.runs
+    raise KeyError(f"no line for {target=}, {grad=}, {kernel=} in the report:\n{self}")
+
+
+def _mode_name(grad: Any) -> str:
+  return grad if isinstance(grad, str) else repr(grad)
+
+
+def _plan_line(target: deviceless.Target, grad: str, what: str, plan: Any,
+               strict: bool, text: str) -> CompileLine:
+  """The line for one observed plan on `target`."""
+  config = plan.config
+  if plan.problems:
+    return CompileLine(target.name, grad, what, "raises" if strict else "XLA",
+                       "; ".join(plan.problems), "")
+  if config is not None and config.prefer_xla and not strict:
+    return CompileLine(target.name, grad, what, "XLA", config.prefer_xla, "")
+  name = kernel_forward.KERNEL_NAME if what == "forward" else kernel_backward.KERNEL_NAME
+  if name not in text:
+    return CompileLine(target.name, grad, what, "kernel", "",
+                       "failed", f"planned, but {name} is not in the exported module")
+  return CompileLine(target.name, grad, what, "kernel", "", "")
+
+
+def check_compiles(
+    step: Callable[..., Any],
+    params: Any,
+    h0: Any,
+    x: Any = None,
+    *,
+    iters: Any = None,
+    max_iters: int,
+    grads: Sequence[Any] = ("full",),
+    targets: Sequence[str] = ("tpu", "gpu"),
+    options: Options | None = None,
+    **kwargs: Any,
+) -> CompileReport:
+  """Lowers and compiles your own `iterate` call for a TPU and a GPU, on any machine.
+
+  For each target, the call alone ("forward") and its gradient w.r.t.
+  `params`, `h0` and `x` under each mode in `grads` are exported with
+  `jax.export` for the target's platform, planned for its chip (a TPU v5e,
+  an NVIDIA H200), and compiled by the target's own compiler, deviceless,
+  where that compiler is installed (libtpu for the TPU; the JAX CUDA plugin
+  with ptxas for the GPU). The report has a line per kernel: whether the
+  Pallas kernel runs or XLA does (with the rule that decided), and what the
+  line rests on: "compiled", "exported" (the compiler is not installed
+  here: the detail says which package brings it), or "failed".
+
+  Interpret mode (`Options(implementation="pallas")` on a CPU) declines what the
+  TPU's (or GPU's) kernel declines by the step itself; the rules about the
+  tile and the chip's memory (VMEM, shared memory, registers) decide only
+  here, and on the chip.
+
+  Args:
+    step, params, h0, x, iters, max_iters: as for `pallas_loop.iterate`.
+    grads: the gradient modes to check ("full", `Truncated(k)`,
+      `Implicit()`, `Phantom(k)`); () checks the forward only.
+    targets: among "tpu" and "gpu".
+    options: how `iterate` runs, a `pallas_loop.Options` (None: the
+      defaults). Its default `implementation=None` checks what a user gets
+      (the kernel, or XLA with a warning); `implementation="pallas"` checks
+      that a declined kernel raises the library's own error.
+    **kwargs: further `iterate` keywords (`tol`, `halt`, `key`,
+      `step_index`, `per_example`, ...).
+
+  Returns:
+    A `CompileReport`; `print` it.
+
+  Raises:
+    AssertionError: a compiler or an export failed (never expected: the
+      rules should have declined what the compiler cannot take; please
+      report it), with the report.
+
+  Example:
+    >>> import jax.numpy as jnp, pallas_loop
+    >>> step = lambda w, h, x: jnp.tanh(h @ w + x)
+    >>> w, h0, x = 0.5 * jnp.eye(128), jnp.zeros((256, 128)), jnp.ones((256, 128))
+    >>> report = pallas_loop.testing.check_compiles(step, w, h0, x, max_iters=4,
+    ...                                             targets=["tpu"])
+    >>> report.runs("tpu", "full", "backward")
+    'kernel'
+  """
+  unknown = sorted(set(targets) - set(deviceless.TARGETS))
+  if unknown:
+    raise ValueError(f"targets {unknown} are not among {sorted(deviceless.TARGETS)}.")
+  options_lib.reject_keywords(
+      "check_compiles", {k: v for k, v in kwargs.items() if k in options_lib.FIELDS})
+  options = options_lib.check_options(options)
+  if "grad" in kwargs or "return_info" in kwargs:
+    raise TypeError("check_compiles sets grad and return_info itself: pass the gradient "
+                    "modes as grads=[...].")
+  strict = options.implementation == "pallas"
+  if strict and options.interpret is None:
+    options = options.replace(interpret=False)  # the compiled kernel, not interpret mode
+
+  def call(grad: Any) -> Callable[..., Any]:
+    extra = {} if grad is None else {"grad": grad}
+    run = lambda p, h, x_: iterate_lib.iterate(step, p, h, x_, iters=iters, max_iters=max_iters,
+                                               options=options, **extra, **kwargs)
+    if grad is None:
+      return run
+
+    def vjp(p: Any, h: Any, x_: Any) -> Any:
+      # The value and its gradient, as a training step needs both (a
+      # gradient alone may leave a forward kernel out of the module).
+      out, back = jax.vjp(run, p, h, x_)
+      return out, back(_cotangent(out, 0))
+    return vjp
+
+  lines: list[CompileLine] = []
+  for name in targets:
+    target = deviceless.TARGETS[name]
+    mesh, compiler = deviceless.compiler(target)
+    for grad in (None, *grads):
+      label = "forward" if grad is None else _mode_name(grad)
+      fn = call(grad)
+      with dispatch.observe_plans() as seen, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback warnings: the report has them
+        try:
+          text = deviceless.exported_text(fn, (params, h0, x), target)
+        except Exception as e:  # pylint: disable=broad-except  # reported, then raised
+          if strict and isinstance(e, ValueError):  # the library's own error
+            lines.append(CompileLine(name, label, "-", "raises", str(e), "exported"))
+          else:
+            lines.append(CompileLine(name, label, "-", "-", "", "failed",
+                                     f"export: {type(e).__name__}: {e}"))
+          continue
+      # Every platform's branch is traced: this target's plans, each once.
+      planned: list[CompileLine] = []
+      for what, backend, plan in seen:
+        line = _plan_line(target, label, what, plan, strict, text)
+        if backend == target.backend and line not in planned:
+          planned.append(line)
+      if mesh is None:
+        proof, detail = "exported", f"not compiled: {compiler}"
+      else:
+        try:
+          deviceless.compile_for(fn, (params, h0, x), mesh)
+          proof, detail = "compiled", compiler
+        except Exception as e:  # pylint: disable=broad-except  # reported, then raised
+          proof, detail = "failed", f"{compiler}: {type(e).__name__}: {str(e)[:500]}"
+      lines += [line if line.proof == "failed" else dataclasses.replace(
+          line, proof=proof, detail=detail) for line in planned]
+  report = CompileReport(tuple(lines))
+  failed = [line for line in lines if line.proof == "failed"]
+  if failed:
+    raise AssertionError("pallas_loop.testing.check_compiles: a compiler or an export failed "
+                         "(the rules should have declined it first; please report it):\n"
+                         + str(report))
+  return report

@@ -4,8 +4,9 @@ The default `block_rows` is a heuristic per backend (`_src/backend_triton.py`,
 `_src/backend_mosaic_tpu.py`, `_src/backend.rows_for_tiles`): enough sorted tiles that
 rows of similar counts share a tile. What is fastest also depends on the
 block, its widths and the accelerator, so `tune_block_rows` times the
-candidates on the caller's own workload and says which won. It measures; it
-never changes a default behind the caller's back.
+candidates on the caller's own workload, says which won and returns the
+`Options` that run it (`TuneResult.options`). It measures; it never changes a
+default behind the caller's back.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import jax
 from pallas_loop._src import iterate as iterate_lib
 from pallas_loop._src import backend as backend_lib
 from pallas_loop._src import backend_mosaic_tpu
+from pallas_loop._src import options as options_lib
 from pallas_loop._src import validation
+from pallas_loop._src.options import Options
 
 
 class TuneResult(NamedTuple):
-  """What `tune_block_rows` measured.
+  """What `tune_block_rows` measured, and the options it recommends.
 
   Attributes:
     best: the fastest `block_rows`.
@@ -31,11 +34,14 @@ class TuneResult(NamedTuple):
       candidates that ran.
     rejected: block_rows -> why the kernel could not run with it (the
       backend's block rules, e.g. Triton's dots need >= 16 rows).
+    options: the caller's `Options` with `implementation="pallas"` and
+      `block_rows=best`: pass it on, `iterate(..., options=result.options)`.
   """
 
   best: int
   seconds: dict[int, float]
   rejected: dict[int, str]
+  options: Options
 
 
 def default_candidates(batch: int, platform: str | None = None) -> tuple[int, ...]:
@@ -91,14 +97,16 @@ def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int = 5,
 
 def tune_block_rows(step: Callable[..., Any], params: Any, h0: Any, x: Any = None, *,
                     iters: Any, max_iters: int, candidates: Sequence[int] | None = None,
-                    repeats: int = 5, **iterate_kwargs: Any) -> TuneResult:
-  """Times `iterate(implementation="pallas", block_rows=R)` for each candidate R.
+                    repeats: int = 5, options: Options | None = None,
+                    **iterate_kwargs: Any) -> TuneResult:
+  """Times `iterate` with `options.replace(implementation="pallas", block_rows=R)`
+  for each candidate R.
 
   Each candidate is compiled once (`jax.jit`), run once to warm up, then
   timed `repeats` times; the median is kept. Candidates the kernel cannot run
   on this backend are reported in `rejected`, not silently skipped. Only the
   forward pass is timed; outputs do not depend on `block_rows` (tested), so
-  any candidate is safe to use.
+  any candidate is safe to use; `result.options` holds the fastest.
 
   Args:
     step: as for `pallas_loop.iterate` (the workload to tune on).
@@ -109,29 +117,41 @@ def tune_block_rows(step: Callable[..., Any], params: Any, h0: Any, x: Any = Non
     max_iters: as for `iterate`.
     candidates: tile heights to try (default `default_candidates(B)`).
     repeats: timed calls per candidate (>= 1).
-    **iterate_kwargs: further `iterate` options (tol, halt, key, interpret,
-      sort_rows, ...), except implementation and block_rows.
+    options: the rest of how to run (`interpret`, `sort_rows`, `schedule`,
+      ...), a `pallas_loop.Options` (None: `Options()`); its
+      `implementation` must be None or "pallas" (the kernel is what is
+      timed) and its `block_rows` is what the candidates replace.
+    **iterate_kwargs: further `iterate` keywords (tol, halt, key, ...).
 
   Returns:
     A `TuneResult`.
 
   Raises:
-    ValueError: bad `candidates`/`repeats`, `implementation`/`block_rows`
-      in `iterate_kwargs`, or no candidate could run (with each reason).
+    ValueError: bad `candidates`/`repeats`, `options.implementation="xla"`,
+      or no candidate could run (with each reason).
+    TypeError: a how-to-run keyword (`interpret=`, `block_rows=`, ...)
+      passed by itself instead of in `options`.
 
   Examples:
-    >>> import jax.numpy as jnp
+    >>> import jax.numpy as jnp, pallas_loop
     >>> from pallas_loop.tuning import tune_block_rows
     >>> step = lambda p, h, x: jnp.tanh(h @ p)
     >>> r = tune_block_rows(step, jnp.eye(8), jnp.ones((64, 8)), max_iters=4,
     ...                     iters=jnp.arange(64) % 5, candidates=(8, 16),
-    ...                     interpret=True)
-    >>> r.best in (8, 16)
-    True
+    ...                     options=pallas_loop.Options(interpret=True))
+    >>> r.best in (8, 16), r.options.block_rows == r.best
+    (True, True)
+    >>> r.options.implementation, r.options.interpret
+    ('pallas', True)
   """
-  for name in ("implementation", "block_rows"):
-    if name in iterate_kwargs:
-      raise ValueError(f"tune_block_rows sets `{name}` itself; do not pass it")
+  options_lib.reject_keywords(
+      "tune_block_rows",
+      {k: v for k, v in iterate_kwargs.items() if k in options_lib.FIELDS})
+  options = options_lib.check_options(options)
+  if options.implementation == "xla":
+    raise ValueError("tune_block_rows times the Pallas kernel: options.implementation "
+                     "must be None or 'pallas', got 'xla'.")
+  options = options.replace(implementation="pallas")
   if not isinstance(repeats, int) or repeats < 1:
     raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
   batch = validation.batch_size(h0, x)
@@ -141,8 +161,8 @@ def tune_block_rows(step: Callable[..., Any], params: Any, h0: Any, x: Any = Non
   seconds, rejected = {}, {}
   for rows in candidates:
     fn = jax.jit(lambda p, h, x_, n, rows=rows: iterate_lib.iterate(
-        step, p, h, x_, iters=n, max_iters=max_iters, implementation="pallas",
-        block_rows=rows, **iterate_kwargs))
+        step, p, h, x_, iters=n, max_iters=max_iters,
+        options=options.replace(block_rows=rows), **iterate_kwargs))
     try:
       jax.block_until_ready(fn(params, h0, x, iters))  # compiles
     except ValueError as e:  # the kernel's block rules for this backend
@@ -152,4 +172,6 @@ def tune_block_rows(step: Callable[..., Any], params: Any, h0: Any, x: Any = Non
   if not seconds:
     reasons = "\n".join(f"  block_rows={r}: {why}" for r, why in rejected.items())
     raise ValueError(f"no block_rows candidate could run:\n{reasons}")
-  return TuneResult(best=min(seconds, key=lambda r: seconds[r]), seconds=seconds, rejected=rejected)
+  best = min(seconds, key=lambda r: seconds[r])
+  return TuneResult(best=best, seconds=seconds, rejected=rejected,
+                    options=options.replace(block_rows=best))

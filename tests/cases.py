@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
+import pallas_loop
+
 MAX_ITERS = 6
 
 
@@ -30,12 +32,12 @@ def counts(pattern: str, batch: int, max_iters: int = MAX_ITERS, seed: int = 0):
 
 PATTERNS = ("zero", "max", "clipped", "ragged", "one_long_per_tile")
 
-# (id, iterate kwargs): every implementation the tests hold to the reference.
+# (id, iterate's options): every implementation the tests hold to the reference.
 IMPLEMENTATIONS = {
-    "xla": dict(implementation="xla"),
-    "pallas": dict(implementation="pallas", interpret=True),
-    "pallas_tpu_interpret": dict(implementation="pallas",
-                                 interpret=pltpu.InterpretParams()),
+    "xla": pallas_loop.Options(implementation="xla"),
+    "pallas": pallas_loop.Options(implementation="pallas", interpret=True),
+    "pallas_tpu_interpret": pallas_loop.Options(implementation="pallas",
+                                                interpret=pltpu.InterpretParams()),
 }
 
 

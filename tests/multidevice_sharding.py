@@ -82,7 +82,8 @@ class ShardedRowsTest(parameterized.TestCase):
     mesh = _row_mesh()
     rows = NamedSharding(mesh, P("rows"))
     s_h0, s_x, s_n = jax.device_put((h0, x, n), rows)
-    run = functools.partial(pallas_loop.iterate, **cases.IMPLEMENTATIONS[impl], block_rows=4)
+    run = functools.partial(pallas_loop.iterate,
+                            options=cases.IMPLEMENTATIONS[impl].replace(block_rows=4))
 
     forward = jax.jit(lambda p, h, x_, n_: run(_step, p, h, x_, iters=n_, max_iters=MAX_ITERS))
     got = forward(params, s_h0, s_x, s_n)
@@ -130,7 +131,8 @@ class ShardedRowsTest(parameterized.TestCase):
     s_x = jax.device_put(x, NamedSharding(mesh, P("data")))
     with jax.set_mesh(mesh):
       got, info = jax.jit(lambda p, h, x_: pallas_loop.iterate(
-          step, p, h, x_, implementation="pallas", interpret=True, block_rows=4, **kw))(
+          step, p, h, x_, **kw,
+          options=pallas_loop.Options(implementation="pallas", interpret=True, block_rows=4)))(
               params, s_state, s_x)
     want, want_info = reference.iterate(step, params, state, x, **kw)
     oracle.assert_trees_close(got, want)
@@ -147,7 +149,8 @@ class ShardedRowsTest(parameterized.TestCase):
     rows = NamedSharding(mesh, P(("data", "model")))
     s_h0, s_x, s_n = jax.device_put((h0, x, n), rows)
     f = jax.jit(lambda p, h, x_, n_: pallas_loop.iterate(
-        _step, p, h, x_, iters=n_, max_iters=MAX_ITERS, implementation="xla"))
+        _step, p, h, x_, iters=n_, max_iters=MAX_ITERS,
+        options=pallas_loop.Options(implementation="xla")))
     got = f(params, s_h0, s_x, s_n)
     oracle.assert_trees_close(
         got, reference.iterate(_step, params, h0, x, iters=n, max_iters=MAX_ITERS))
@@ -163,7 +166,8 @@ class ShardedRowsTest(parameterized.TestCase):
 
     def one(h, x_, n_):
       return pallas_loop.iterate(_step, params, h, x_, iters=n_, max_iters=MAX_ITERS,
-                                 implementation="pallas", interpret=True, block_rows=4)
+                                 options=pallas_loop.Options(implementation="pallas",
+                                                             interpret=True, block_rows=4))
 
     f = jax.jit(jax.vmap(one, in_axes=(0, None, None)))
     got = f(s_stacked, s_x, s_n)
@@ -191,7 +195,8 @@ class ShardedRowsTest(parameterized.TestCase):
     s_h0 = jax.device_put(h0, NamedSharding(mesh, P()))
     s_x = jax.device_put(x, NamedSharding(mesh, P("rows")))
     f = jax.jit(lambda h, x_: pallas_loop.iterate(
-        _step, params, h, x_, iters=n, max_iters=MAX_ITERS, implementation="xla"))
+        _step, params, h, x_, iters=n, max_iters=MAX_ITERS,
+        options=pallas_loop.Options(implementation="xla")))
     got = f(s_h0, s_x)
     oracle.assert_trees_close(
         got, reference.iterate(_step, params, h0, x, iters=n, max_iters=MAX_ITERS))
@@ -204,8 +209,8 @@ class ShardedRowsTest(parameterized.TestCase):
     rows = NamedSharding(mesh, P("rows"))
     s_h0, s_x, s_n = jax.device_put((h0, x, n), rows)
     call = lambda h, x_, n_: pallas_loop.iterate(
-        _step, params, h, x_, iters=n_, max_iters=MAX_ITERS, implementation="pallas",
-        interpret=True, block_rows=4)
+        _step, params, h, x_, iters=n_, max_iters=MAX_ITERS,
+        options=pallas_loop.Options(implementation="pallas", interpret=True, block_rows=4))
     with self.assertWarnsRegex(UserWarning, r"Auto axes .*explicit_axes"):
       jax.jit(call).lower(s_h0, s_x, s_n)
 
@@ -226,7 +231,8 @@ class ShardedRowsTest(parameterized.TestCase):
     mesh = jax.make_mesh((8,), ("rows",), axis_types=(AxisType.Auto,))
     s_h0, s_x, s_n = jax.device_put((h0, x, n), NamedSharding(mesh, P("rows")))
     f = jax.jit(lambda h, x_, n_: pallas_loop.iterate(
-        _step, params, h, x_, iters=n_, max_iters=MAX_ITERS, implementation="xla"))
+        _step, params, h, x_, iters=n_, max_iters=MAX_ITERS,
+        options=pallas_loop.Options(implementation="xla")))
     pallas_loop._src.notices._warned.clear()
     with self.assertWarnsRegex(UserWarning, "Auto axes.*XLA implementation.*every device"):
       got = f(s_h0, s_x, s_n)
@@ -240,8 +246,9 @@ class ShardedRowsTest(parameterized.TestCase):
     params, h0, x, n = _inputs(7)
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     s_h0, s_x, s_n = jax.device_put((h0, x, n), NamedSharding(mesh, P("data")))
-    run = functools.partial(pallas_loop.iterate, implementation="pallas", interpret=True,
-                            block_rows=4)
+    run = functools.partial(pallas_loop.iterate,
+                            options=pallas_loop.Options(implementation="pallas", interpret=True,
+                                                        block_rows=4))
     grads = jax.jit(jax.grad(functools.partial(_loss, run), argnums=(0, 1, 2)))
     got = grads(params, s_h0, s_x, s_n)
     want = jax.grad(functools.partial(_loss, reference.iterate), argnums=(0, 1, 2))(
@@ -257,8 +264,9 @@ class ShardedRowsTest(parameterized.TestCase):
     mesh = _row_mesh()
     rows = NamedSharding(mesh, P("rows"))
     got = pallas_loop.iterate(_step, params, jax.device_put(h0, rows), np.asarray(x),
-                              iters=n, max_iters=MAX_ITERS, implementation="pallas",
-                              interpret=True, block_rows=4)
+                              iters=n, max_iters=MAX_ITERS,
+                              options=pallas_loop.Options(implementation="pallas", interpret=True,
+                                                          block_rows=4))
     oracle.assert_trees_close(
         got, reference.iterate(_step, params, h0, x, iters=n, max_iters=MAX_ITERS))
     assert got.sharding.is_equivalent_to(rows, got.ndim), got.sharding
@@ -273,7 +281,8 @@ class ShardedRowsTest(parameterized.TestCase):
     s_h0, s_x, s_n = jax.device_put((h0, x, n), rows)
     key = jax.random.key(3)
     step = lambda p, h, x_, key: _step(p, h, x_) + 0.1 * pallas_loop.random.normal(key, h.shape)
-    run = functools.partial(pallas_loop.iterate, **cases.IMPLEMENTATIONS[impl], block_rows=4)
+    run = functools.partial(pallas_loop.iterate,
+                            options=cases.IMPLEMENTATIONS[impl].replace(block_rows=4))
 
     def loss(run_, p, h, x_, n_, **kw):
       out = run_(step, p, h, x_, iters=n_, max_iters=MAX_ITERS, key=key, grad=mode, **kw)
@@ -281,7 +290,8 @@ class ShardedRowsTest(parameterized.TestCase):
 
     got = jax.jit(jax.value_and_grad(functools.partial(loss, run), argnums=(0, 1, 2)))(
         params, s_h0, s_x, s_n)
-    want = jax.value_and_grad(functools.partial(loss, pallas_loop.iterate, implementation="xla"),
+    xla = pallas_loop.Options(implementation="xla")
+    want = jax.value_and_grad(functools.partial(loss, pallas_loop.iterate, options=xla),
                               argnums=(0, 1, 2))(params, h0, x, n)
     oracle.assert_trees_close(got, want, what="value and gradients")
 

@@ -183,7 +183,8 @@ class ShardedOverProcessesTest(parameterized.TestCase):
     g_h0, g_x, g_n = _global(rows, h0, x, n)
     assert not g_h0.is_fully_addressable  # the other process holds half the rows
     g_params = jax.device_put(params, NamedSharding(mesh, P()))
-    run = functools.partial(pallas_loop.iterate, **cases.IMPLEMENTATIONS[impl], block_rows=4)
+    run = functools.partial(pallas_loop.iterate,
+                            options=cases.IMPLEMENTATIONS[impl].replace(block_rows=4))
 
     forward = jax.jit(lambda p, h, x_, n_: run(_step, p, h, x_, iters=n_, max_iters=MAX_ITERS))
     got = forward(g_params, g_h0, g_x, g_n)
@@ -230,7 +231,7 @@ class ShardedOverProcessesTest(parameterized.TestCase):
     # before pallas_loop 0.2); this signature takes either.
     step = lambda p, h, x_, key: _step(p, h, x_) + 0.1 * pallas_loop.random.normal(key, h.shape)
     kw = dict(max_iters=MAX_ITERS, key=key, grad=pallas_loop.Truncated(2), tol=0.3,
-              min_iters=1, return_info=True, implementation="xla")
+              min_iters=1, return_info=True, options=pallas_loop.Options(implementation="xla"))
 
     def loss(p, h, x_, n_):
       out, info = pallas_loop.iterate(step, p, h, x_, iters=n_, **kw)
@@ -266,8 +267,8 @@ class ShardedOverProcessesTest(parameterized.TestCase):
     rows = NamedSharding(mesh, P(("hosts", "local")))
     g_h0, g_x, g_n = _global(rows, h0, x, n)
     run = lambda p, h, x_, n_: pallas_loop.iterate(
-        _step, p, h, x_, iters=n_, max_iters=MAX_ITERS, implementation="pallas",
-        interpret=True, block_rows=4)
+        _step, p, h, x_, iters=n_, max_iters=MAX_ITERS,
+        options=pallas_loop.Options(implementation="pallas", interpret=True, block_rows=4))
     want = jax.jit(lambda p, h, x_, n_: reference.iterate(
         _step, p, h, x_, iters=n_, max_iters=MAX_ITERS))(params, h0, x, n)
     with jax.set_mesh(mesh):

@@ -23,8 +23,8 @@ from pallas_loop import halting
 from pallas_loop import _reference as reference
 
 D, DX, K, T = 8, 4, 3, 5
-IMPLS = {"xla": dict(implementation="xla"),
-         "pallas": dict(implementation="pallas", interpret=True)}
+IMPLS = {"xla": pallas_loop.Options(implementation="xla"),
+         "pallas": pallas_loop.Options(implementation="pallas", interpret=True)}
 
 
 def make_params(seed=0, bias=-1.0):
@@ -129,11 +129,11 @@ def oracle_masked(block, params, s0, x, max_steps, eps, indexed=False):
   return out, count + rem
 
 
-def run_act(block, params, s0, x, max_steps, eps, impl, **kw):
+def run_act(block, params, s0, x, max_steps, eps, impl, block_rows=None, **kw):
   a = halting.act(block, max_iters=max_steps, eps=eps)
   h0 = a.init(params, s0, x)
-  return pallas_loop.iterate(a.step, params, h0, x, max_iters=a.max_iters, halt=a.halt,
-                             **IMPLS[impl], **kw)
+  return pallas_loop.iterate(a.step, params, h0, x, max_iters=a.max_iters, halt=a.halt, **kw,
+                             options=IMPLS[impl].replace(block_rows=block_rows))
 
 
 CASES = {"per_example": (example_block, False), "per_token": (token_block, True)}
@@ -299,10 +299,15 @@ def _untied_params(max_steps, seed=0):
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
-def test_untied_layers_forward_and_gradient(impl):
+def test_untied_layers_forward_and_gradient(request, impl):
   """act passes the step index to a block that asks for it: the forward matches the
   step-by-step oracle and the library's reference, the gradient reaches every layer
-  of the stack that some row used, against the masked-loop oracle."""
+  of the stack that some row used, against the masked-loop oracle. (Interpret mode
+  applies the TPU's rules, which decline the untied backward, `params[index]`'s
+  VJP; as in tests/test_step_index.py, the kernel's logic is checked here with those
+  rules lifted.)"""
+  if impl == "pallas":
+    request.getfixturevalue("tpu_step_rules_lifted")
   max_steps, eps, tau = 6, 0.01, 0.1
   params = _untied_params(max_steps)
   s0, x = make_inputs(False, batch=11)
@@ -310,7 +315,7 @@ def test_untied_layers_forward_and_gradient(impl):
   assert a.step_index and a.max_iters == max_steps
   h0 = a.init(params, s0, x)
   h = pallas_loop.iterate(a.step, params, h0, x, max_iters=a.max_iters, halt=a.halt,
-                          step_index=a.step_index, block_rows=4, **IMPLS[impl])
+                          step_index=a.step_index, options=IMPLS[impl].replace(block_rows=4))
   want_out, want_ponder, want_n = oracle_forward(untied_block, params, s0, x, max_steps, eps,
                                                  indexed=True)
   np.testing.assert_array_equal(np.asarray(h.steps), want_n)
@@ -331,7 +336,7 @@ def test_untied_layers_forward_and_gradient(impl):
 
   def loss(params):
     h = pallas_loop.iterate(a.step, params, a.init(params, s0, x), x, max_iters=a.max_iters,
-                            halt=a.halt, step_index=True, block_rows=4, **IMPLS[impl])
+                            halt=a.halt, step_index=True, options=IMPLS[impl].replace(block_rows=4))
     return jnp.sum(h.output * c) + tau * jnp.sum(h.ponder_cost)
 
   def loss_oracle(params):
@@ -442,7 +447,7 @@ def test_kernels_lower(platform, case):
   """Forward and backward kernels of an ACT step export for the platform. (The
   per-token block's batched dots do not lower with Pallas Triton in JAX 0.11.2:
   export fails inside JAX's Triton lowering, so on GPU run such a block
-  with implementation="xla".)"""
+  with options=pallas_loop.Options(implementation="xla").)"""
   from tests import lowering
   width, tokens, batch = 32, 16, 64
   k = jax.random.split(jax.random.key(0), 3)
@@ -457,7 +462,7 @@ def test_kernels_lower(platform, case):
 
   def loss(params, h0, x):
     h = pallas_loop.iterate(a.step, params, h0, x, max_iters=a.max_iters, halt=a.halt,
-                            implementation="pallas", interpret=False)
+                            options=pallas_loop.Options(implementation="pallas", interpret=False))
     return jnp.sum(h.output) + jnp.sum(h.ponder_cost)
 
   text = lowering.export_text(jax.grad(loss), params, h0, x, platform=platform)

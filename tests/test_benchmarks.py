@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import pallas_loop
+from benchmarks import attention_check
 from benchmarks import cases
 from benchmarks import feature_check
 from benchmarks import gpu_check
@@ -125,6 +126,18 @@ def test_gpu_check_smoke_mode_runs_anywhere(tmp_path):
   assert [r["block"] for r in sweep] == ["tanh_rnn", "residual_mlp"]
   assert all(set(r["seconds"]) == {"8", "16"} and r["best"] in (8, 16) for r in sweep)
   assert lines[-1]["item"] == "done" and lines[-1]["mismatches"] == []
+
+
+def test_attention_check_smoke_mode_runs_anywhere(tmp_path):
+  """The UT-ACT script the TPU runs: on a CPU the default path is XLA and
+  "pallas" the interpret mode under the TPU's rules (its rewritten dots)."""
+  path = tmp_path / "a.jsonl"
+  assert attention_check.main(["--smoke", "--dtypes", "float32", "--out", str(path)]) == 0
+  lines = [json.loads(l) for l in path.read_text().splitlines()]
+  assert [(l["implementation"], l["what"]) for l in lines] == [
+      (None, "forward"), (None, "grad"), ("pallas", "forward"), ("pallas", "grad")]
+  assert all(l["ok"] and "error" not in l for l in lines), lines
+  assert lines[3]["kernels"] == ["pallas_loop_iterate_fwd", "pallas_loop_iterate_bwd"]
 
 
 def test_gpu_check_stops_starting_items_when_the_budget_is_spent(tmp_path):

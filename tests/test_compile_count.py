@@ -25,7 +25,7 @@ _PROGRAM = textwrap.dedent("""
 
     def loss(w, implementation, grad):
       h = pallas_loop.iterate(step, w, h0, x, iters=n, max_iters=4, tol=1e-4, key=key,
-                              grad=grad, implementation=implementation)
+                              grad=grad, options=pallas_loop.Options(implementation=implementation))
       return jnp.sum(h)
 
     cases = {

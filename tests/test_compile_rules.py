@@ -14,17 +14,21 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pallas_loop
 from pallas_loop import _reference as reference
+from benchmarks import attention
 from benchmarks import blocks
 from benchmarks import compile_check
 from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import backend_interpret
 from pallas_loop._src import dispatch
 from pallas_loop._src import notices
 from pallas_loop._src import footprint as footprint_lib
 from pallas_loop._src import jaxpr_eval
+from pallas_loop._src import kernel_tpu_groups
 from pallas_loop._src import backend_mosaic_tpu
 from pallas_loop._src import backend_triton
 from pallas_loop._src import xla_backward
@@ -93,16 +97,31 @@ def test_held_weight_used_only_widened_is_counted_widened():
 def _plans(block, d, dtype, *, grad, implementation=None, batch=4096, platform="cuda",
            hoist=True, block_rows=None):
   """The plans the rules make for a block, traced by exporting for `platform`."""
-  step, params, h0, x = blocks.make(block, batch, d, jnp.dtype(dtype))
+  options = {}
+  # Flax's and Equinox's layers promote bfloat16 with float32 themselves.
+  promotion = "standard" if block in compile_check.ATTENTION else "strict"
+  if block in compile_check.ATTENTION:
+    with jax.numpy_dtype_promotion(promotion):
+      step, params, h0, x, options = attention.make(compile_check.ATTENTION[block], batch, d,
+                                                    jnp.dtype(dtype))
+  else:
+    step, params, h0, x = blocks.make(block, batch, d, jnp.dtype(dtype))
   n = jnp.arange(batch, dtype=jnp.int32) % (MAX_ITERS + 1)
-  run = functools.partial(pallas_loop.iterate, step, max_iters=MAX_ITERS,
-                          implementation=implementation, hoist=hoist, block_rows=block_rows)
-  if implementation == "pallas":
-    run = functools.partial(run, interpret=False)
+  # The kernel compiled for `platform` (not interpreted) where it is asked for.
+  interpret = False if implementation == "pallas" else None
+  how = pallas_loop.Options(implementation=implementation, interpret=interpret,
+                            hoist=hoist, block_rows=block_rows)
+  run = functools.partial(pallas_loop.iterate, step, max_iters=MAX_ITERS, options=how,
+                          **options)
   forward = lambda p, h, x_, n_: run(p, h, x_, iters=n_)
-  f = jax.grad(lambda *a: cases.tree_sum(forward(*a))) if grad else forward
+  # The loss and its gradient, as a training step needs them: a gradient
+  # alone does not need the forward's output, and the forward kernel of a
+  # loop that tracks nothing per row is then left out (the TPU's group
+  # kernel), so a plan of it would not be lowered.
+  f = jax.value_and_grad(lambda *a: cases.tree_sum(forward(*a))) if grad else forward
   backend = "triton" if platform == "cuda" else "mosaic_tpu"
-  with dispatch.observe_plans() as seen, warnings.catch_warnings(record=True) as caught:
+  with dispatch.observe_plans() as seen, warnings.catch_warnings(record=True) as caught, \
+       jax.numpy_dtype_promotion(promotion):
     warnings.simplefilter("always")
     text = lowering.export_text(f, params, h0, x, n, platform=platform)
   plans = {what: p for what, name, p in seen if name == backend}
@@ -215,8 +234,8 @@ def re_read_interpret(monkeypatch):
   rules = dataclasses.replace(jaxpr_eval.TRITON_INTERPRET, split_dot_bytes=1024)
   config = lambda fp, given: (backend_lib.KernelConfig(
       fp.block_rows, shared_on_chip=False, eval_rules=rules), [])
-  monkeypatch.setattr(backend_lib, "INTERPRET",
-                      dataclasses.replace(backend_lib.INTERPRET, configure=config))
+  monkeypatch.setattr(backend_interpret, "ON_TPU",
+                      dataclasses.replace(backend_interpret.ON_TPU, configure=config))
 
 
 @pytest.mark.parametrize("block", ["residual_mlp_ln", "gru"])
@@ -224,13 +243,33 @@ def test_re_read_and_split_weights_match_the_reference(re_read_interpret, block)
   del re_read_interpret
   step, params, h0, x = blocks.make(block, 19, 32)
   n = cases.counts("ragged", 19, MAX_ITERS)
-  run = functools.partial(pallas_loop.iterate, implementation="pallas", interpret=True,
-                          block_rows=8)
+  run = functools.partial(pallas_loop.iterate,
+                          options=pallas_loop.Options(implementation="pallas", interpret=True,
+                                                      block_rows=8))
   loss = lambda it, p, h, x_: cases.tree_sum(it(step, p, h, x_, iters=n, max_iters=MAX_ITERS))
   got = jax.value_and_grad(functools.partial(loss, run), argnums=(0, 1, 2))(params, h0, x)
   want = jax.value_and_grad(functools.partial(loss, reference.iterate),
                             argnums=(0, 1, 2))(params, h0, x)
   oracle.assert_trees_close(got, want, what=f"{block} re-read")
+
+
+@pytest.mark.parametrize("block", ["tanh_rnn", "gru", "lstm", "residual_mlp_ln"])
+def test_gpu_rules_in_interpret_mode_match_the_reference(block):
+  """interpret="gpu": the Triton rewrites (swapped transposed dots, fences,
+  fast math at its worst case) evaluated on the CPU, forward and gradient,
+  a keyed dropout among them (the integer-mask select), against the oracle."""
+  step, params, h0, x = blocks.make(block, 40, 16)
+  keyed = lambda p, h, x_, key: step(p, jax.tree.map(
+      lambda a: pallas_loop.random.dropout(key, a, 0.1), h), x_)
+  n = cases.counts("ragged", 40, MAX_ITERS)
+  kw = dict(iters=n, max_iters=MAX_ITERS, key=jax.random.key(3))
+  loss = lambda it, p, h, x_: cases.tree_sum(it(keyed, p, h, x_, **kw))
+  run = functools.partial(pallas_loop.iterate, options=pallas_loop.Options(
+      implementation="pallas", interpret="gpu", block_rows=16))
+  got = jax.value_and_grad(functools.partial(loss, run), argnums=(0, 1, 2))(params, h0, x)
+  want = jax.value_and_grad(functools.partial(loss, reference.iterate),
+                            argnums=(0, 1, 2))(params, h0, x)
+  oracle.assert_trees_close(got, want, what=f"{block} under the GPU's rules")
 
 
 def test_split_parts():
@@ -312,22 +351,36 @@ def test_mosaic_default_tiles():
 
 
 def test_mosaic_halves_a_default_tile_too_tall_for_vmem():
-  """A default tile needing over twice the default scoped VMEM is halved
-  (the transformer at D=64: 1024 rows need ~99 MB); a tile the caller chose
-  is kept, with the limit raised."""
-  default_limit = backend_mosaic_tpu.vmem("TPU v5 lite")[0]
+  """The backward's tile kernel: a default tile needing over twice the
+  default scoped VMEM is halved (the transformer at D=64: 1024 rows need ~99
+  MB); a tile the caller chose is kept, with the limit raised. The forward's
+  group kernel: a default chunk whose step does not fit is halved, and its
+  group fills what VMEM a kernel may ask for."""
+  default_limit, physical = backend_mosaic_tpu.vmem("TPU v5 lite")
   plans, _, _ = _plans("transformer", 64, "bfloat16", grad=True, platform="tpu")
-  for p in plans.values():
-    assert p.config is not None
-    assert 128 <= p.config.block_rows < 1024
-    assert p.config.estimate["vmem_bytes"] <= 2 * default_limit
+  assert isinstance(plans["forward"], kernel_tpu_groups.GroupPlan)
+  assert plans["forward"].config is not None
+  assert 128 <= plans["forward"].chunk_rows < kernel_tpu_groups.LARGEST_CHUNK
+  assert plans["forward"].config.estimate["vmem_bytes"] <= physical * 7 // 8
+  bwd = plans["backward"]
+  assert bwd.config is not None and 128 <= bwd.config.block_rows < 1024
+  assert bwd.config.estimate["vmem_bytes"] <= 2 * default_limit
+  plans, _, _ = _plans("transformer", 64, "bfloat16", grad=False, platform="tpu",
+                       block_rows=512)
+  assert plans["forward"].config.block_rows == 512
+  assert plans["forward"].config.compiler_params.vmem_limit_bytes > 2 * default_limit
+  # 1024 rows chosen do not fit beside their step's values: declined, with
+  # what to do said.
   plans, _, _ = _plans("transformer", 64, "bfloat16", grad=False, platform="tpu",
                        block_rows=1024)
-  assert plans["forward"].config.block_rows == 1024
-  assert plans["forward"].config.compiler_params.vmem_limit_bytes > 2 * default_limit
-  # The D=128 blocks the v5e timed keep their 1024-row tiles.
+  assert plans["forward"].config is None
+  (problem,) = plans["forward"].problems
+  assert "a smaller block_rows may fit" in problem
+  # The D=128 blocks the v5e timed keep their 1024-row backward tiles and
+  # 2048-row forward chunks.
   plans, _, _ = _plans("gru", 128, "bfloat16", grad=True, platform="tpu")
-  assert {p.config.block_rows for p in plans.values()} == {1024}
+  assert plans["backward"].config.block_rows == 1024
+  assert plans["forward"].config.block_rows == kernel_tpu_groups.LARGEST_CHUNK
 
 
 def test_mosaic_raises_the_vmem_limit_where_the_blocks_need_it():
@@ -343,8 +396,9 @@ def test_mosaic_raises_the_vmem_limit_where_the_blocks_need_it():
 
 @pytest.mark.parametrize("d, hoist", [(1024, False), (2048, True)])
 def test_mosaic_rejects_what_no_vmem_limit_holds(d, hoist):
-  # Hoisting takes the input weights U out of the backward kernel: the LSTM at
-  # D=1024 float32 then fits (about 98 MB of 112), so the hoisted case is wider.
+  # Hoisting takes the input weights U out of the backward kernel, so the
+  # hoisted case is wider; both exceed what a kernel may ask for, with the
+  # margin over the estimate (`backend_mosaic_tpu.MARGIN`).
   plans, _, _ = _plans("lstm", d, "float32", grad=True, platform="tpu", hoist=hoist)
   assert plans["backward"].config is None
   assert "no kernel configuration fits the TPU's VMEM" in plans["backward"].problems[0]
@@ -355,27 +409,124 @@ def test_mosaic_merges_leading_contractions_and_matches_the_reference():
   # of [TB, S, D] values: the TPU rules compute them as 2-D dots.
   step, params, h0, x = blocks.make("transformer", 11, 16)
   n = cases.counts("ragged", 11, MAX_ITERS)
-  run = functools.partial(pallas_loop.iterate, block_rows=8,
-                          **cases.IMPLEMENTATIONS["pallas_tpu_interpret"])
+  options = cases.IMPLEMENTATIONS["pallas_tpu_interpret"].replace(block_rows=8)
+  run = functools.partial(pallas_loop.iterate, options=options)
   loss = lambda it, p: cases.tree_sum(it(step, p, h0, x, iters=n, max_iters=MAX_ITERS))
   got = jax.grad(functools.partial(loss, run))(params)
   want = jax.grad(functools.partial(loss, reference.iterate))(params)
   oracle.assert_trees_close(got, want, what="transformer gradient")
 
 
-def test_mosaic_names_the_dots_it_would_abort_on():
-  def dot(lhs, rhs, dims):
-    structs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in (lhs, rhs)]
-    return jax.make_jaxpr(lambda u, v: jax.lax.dot_general(u, v, dims))(*structs).jaxpr
+def _dots(jaxpr):
+  return [e for e in backend_lib.iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
 
+
+def test_mosaic_rewrites_every_dot_to_one_batch_and_one_contracted_axis():
+  """JAX 0.10.2's Mosaic rejects a dot with several batch axes or several
+  contracted axes at lowering; libtpu 0.0.48.1 aborts on some of the latter
+  and rejects a 16-bit accumulator. The TPU rules rewrite each such dot
+  (`jaxpr_eval._canonical_dot`, `_merged_dot`) into the same sum."""
   none = ((), ())
-  fine = [((16, 8, 64), (16, 8, 32), (((0, 1), (0, 1)), none)),   # merged into a 2-D dot
-          ((16, 8, 64), (8, 64, 32), (((1, 2), (0, 1)), none)),   # lhs trailing, rhs leading
-          ((16, 64), (64, 32), (((1,), (0,)), none))]
-  aborts = [((8, 64, 16), (32, 8, 64), (((0, 1), (1, 2)), none)),  # libtpu 0.0.48.1 aborts
-            ((16, 8, 64), (16, 8, 64), (((1, 2), (1, 2)), ((0,), (0,))))]
-  for lhs, rhs, dims in fine:
-    assert not backend_mosaic_tpu._dot_problems(dot(lhs, rhs, dims))
-  for lhs, rhs, dims in aborts:
-    (problem,) = backend_mosaic_tpu._dot_problems(dot(lhs, rhs, dims))
-    assert "Mosaic TPU aborts on a dot" in problem
+  forms = [((16, 8, 64), (16, 8, 32), (((0, 1), (0, 1)), none)),        # weight gradient
+           ((16, 8, 4, 32), (4, 32, 64), (((3, 2), (1, 0)), none)),      # einsum("bqhd,hde->bqe")
+           ((16, 8, 4, 32), (64, 4, 32), (((2, 3), (1, 2)), none)),      # its input gradient
+           ((8, 64, 16), (32, 8, 64), (((0, 1), (1, 2)), none)),
+           ((16, 8, 4, 32), (16, 8, 4, 32), (((3,), (3,)), ((0, 2), (0, 2)))),  # bqhd,bkhd->bhqk
+           ((16, 4, 8, 8), (16, 8, 4, 32), (((3,), (1,)), ((0, 1), (0, 2)))),  # bhqk,bkhd->bhqd
+           ((16, 8, 4, 32), (16, 4, 8, 8), (((1,), (3,)), ((0, 2), (0, 1))))]
+  for dtype in (jnp.float32, jnp.bfloat16):
+    for lhs, rhs, dims in forms:
+      a = jax.random.normal(jax.random.key(0), lhs).astype(dtype)
+      b = jax.random.normal(jax.random.key(1), rhs).astype(dtype)
+      f = lambda u, v, dims=dims: jax.lax.dot_general(u, v, dims)
+      rewritten = lambda u, v, f=f: jaxpr_eval.call_with_matched_dots(f, u, v,
+                                                                      rules=jaxpr_eval.MOSAIC)
+      for eqn in _dots(jax.make_jaxpr(rewritten)(a, b).jaxpr):
+        (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+        assert len(lc) == 1 and len(lb) <= 1, (lhs, rhs, dims, eqn)
+        assert eqn.outvars[0].aval.dtype == jnp.float32, (lhs, rhs, dims, eqn)
+      want = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims)
+      got = rewritten(a, b)
+      assert got.dtype == dtype and got.shape == want.shape
+      tol = 1e-5 if dtype == jnp.float32 else 1e-2
+      np.testing.assert_allclose(got.astype(jnp.float32), want, rtol=tol, atol=tol * 10)
+
+
+# --- multi-head attention as libraries write it ------------------------------------
+
+
+def _library(block):
+  """Skips where the library a style is written with is not installed."""
+  style = compile_check.ATTENTION[block]
+  if style != "einsum":
+    pytest.importorskip(style)
+
+
+@pytest.mark.parametrize("block", sorted(compile_check.ATTENTION))
+def test_attention_as_libraries_write_it_runs_the_tpu_kernels(block):
+  _library(block)
+  """Rows and heads both batch axes, heads projected by `DenseGeneral` (Flax)
+  or per token (Equinox): the TPU's forward and backward kernels take them
+  (rewritten dots), with a VMEM limit from what the backward keeps alive."""
+  plans, text, caught = _plans(block, 128, "bfloat16", grad=True, batch=256, platform="tpu")
+  assert not plans["forward"].problems and not plans["backward"].problems, plans
+  assert text.count(lowering.kernel_marker("tpu")) >= 2
+  assert not [m for m in caught if "pallas_loop" in m]
+  backward = plans["backward"]
+  live = backward.footprint.peak_live_bytes(backend_mosaic_tpu.padded_bytes)
+  assert live > 8 * backward.footprint.largest_row_value_bytes  # attention keeps more alive
+  assert backward.config.estimate["vmem_bytes"] >= live
+
+
+def test_attention_declined_by_the_gpu_falls_back_or_raises():
+  _library("attention_flax")
+  notices._warned.clear()
+  plans, text, caught = _plans("attention_flax", 128, "bfloat16", grad=True, batch=256)
+  assert any("a batched dot" in p for p in plans["forward"].problems)
+  assert lowering.kernel_marker("cuda") not in text
+  assert any("triton forward kernel cannot run this step" in m for m in caught)
+  with pytest.raises(ValueError, match="triton forward kernel cannot run this step"):
+    _plans("attention_flax", 128, "bfloat16", grad=True, batch=256, implementation="pallas")
+
+
+@pytest.mark.parametrize("style", attention.STYLES)
+def test_attention_in_interpret_mode_matches_the_reference(style):
+  """Interpret mode evaluates the step as the TPU kernel does (the rewritten
+  dots), forward and gradient, against the oracle."""
+  if style != "einsum":
+    pytest.importorskip(style)
+  step, params, h0, x, options = attention.make(style, 11, 32, heads=4, tokens=5)
+  n = cases.counts("ragged", 11, 3)
+  loss = lambda it, p, h: cases.tree_sum(it(step, p, h, x, iters=n, max_iters=3, **options))
+  run = functools.partial(pallas_loop.iterate,
+                          options=pallas_loop.Options(implementation="pallas", block_rows=8))
+  got = jax.value_and_grad(functools.partial(loss, run), argnums=(0, 1))(params, h0)
+  want = jax.value_and_grad(functools.partial(loss, reference.iterate), argnums=(0, 1))(params, h0)
+  oracle.assert_trees_close(got, want, what=f"{style} attention")
+
+
+def test_mosaic_declines_a_16_bit_scalar_computed_in_the_kernel():
+  """Mosaic makes scalars of 32-bit values only: a bfloat16 scalar parameter
+  (and its gradient) is declined with the reason (XLA runs it), not a
+  compiler error; a scalar of constants is folded while tracing."""
+  notices._warned.clear()
+  step = lambda p, h, x: jnp.tanh(h * p[0] + x) / jnp.sqrt(16.0).astype(h.dtype)
+  params = (jnp.asarray(0.5, jnp.bfloat16),)
+  h0 = jnp.ones((256, 128), jnp.bfloat16)
+  loss = lambda p, h: cases.tree_sum(pallas_loop.iterate(step, p, h, h0, max_iters=3))
+  with dispatch.observe_plans() as seen, warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    text = lowering.export_text(jax.value_and_grad(loss), params, h0, platform="tpu")
+  plans = {what: p for what, name, p in seen if name == "mosaic_tpu"}
+  (problem,) = plans["forward"].problems
+  assert "a shared operand is a bfloat16 scalar" in problem
+  assert any("computes a bfloat16 scalar (reduce_sum" in p for p in plans["backward"].problems)
+  assert any("mosaic_tpu backward kernel cannot run this step" in str(m.message) for m in caught)
+  assert lowering.kernel_marker("tpu") not in text
+  # The same step with a float32 scalar runs both kernels.
+  params = (jnp.asarray(0.5, jnp.float32),)
+  f32 = lambda a: a.astype(jnp.float32)
+  step32 = lambda p, h, x: (jnp.tanh(f32(h) * p[0] + f32(x)) / jnp.sqrt(16.0)).astype(h.dtype)
+  loss = lambda p, h: cases.tree_sum(pallas_loop.iterate(step32, p, h, h0, max_iters=3))
+  text = lowering.export_text(jax.value_and_grad(loss), params, h0, platform="tpu")
+  assert text.count(lowering.kernel_marker("tpu")) == 2

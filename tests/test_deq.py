@@ -620,9 +620,9 @@ def test_keyed_map_is_the_masked_map_with_one_mask_per_row():
 
 
 @pytest.mark.parametrize("run", [
-    dict(implementation="xla", sort_rows=False),
-    dict(implementation="pallas", interpret=True, block_rows=8),
-    dict(implementation="pallas", interpret=True, block_rows=16, sort_rows=False),
+    pallas_loop.Options(implementation="xla", sort_rows=False),
+    pallas_loop.Options(implementation="pallas", interpret=True, block_rows=8),
+    pallas_loop.Options(implementation="pallas", interpret=True, block_rows=16, sort_rows=False),
 ])
 def test_keyed_solve_does_not_depend_on_tiling_or_row_order(run):
   """Outputs and gradients with key= are those of the XLA loop with sorted rows,
@@ -631,15 +631,15 @@ def test_keyed_solve_does_not_depend_on_tiling_or_row_order(run):
   key = jax.random.key(11)
   h0 = jnp.zeros((20, D))
 
-  def solve(**kw):
+  def solve(options):
     def loss(p):
       h = deq.fixed_point(_dropout_layer, p, h0, x, key=key, tol=1e-6, max_iters=60,
-                          on_failure="raise", **kw)
+                          on_failure="raise", options=options)
       return jnp.sum(h * jnp.arange(D, dtype=h.dtype)), h
     return jax.grad(loss, has_aux=True)(params)
 
-  g_want, h_want = solve(implementation="xla")
-  g_got, h_got = solve(**run)
+  g_want, h_want = solve(pallas_loop.Options(implementation="xla"))
+  g_got, h_got = solve(run)
   np.testing.assert_allclose(h_got, h_want, atol=1e-6)
   for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
     np.testing.assert_allclose(a, b, rtol=3e-4, atol=1e-6)
@@ -674,8 +674,9 @@ def test_pallas_matches_xla_forward_and_gradient():
   def run(impl):
     def loss(p):
       h, info = deq.fixed_point(_layer, p, h0, x, solver=deq.Anderson(m=3), tol=1e-5,
-                                max_iters=60, implementation=impl, return_info=True,
-                                on_failure="raise")
+                                max_iters=60, return_info=True,
+                                on_failure="raise",
+                                options=pallas_loop.Options(implementation=impl))
       return jnp.sum(h ** 2), (h, info)
     return jax.grad(loss, has_aux=True)(params)
 
@@ -716,8 +717,8 @@ def test_solver_forward_and_adjoint_lower_to_kernels(platform, solver):
 
   def grad(p, h0, x):
     return jax.grad(lambda p: jnp.sum(deq.fixed_point(
-        _layer, p, h0, x, solver=solver, tol=1e-5, max_iters=50,
-        implementation="pallas", interpret=False, on_failure="ignore")))(p)
+        _layer, p, h0, x, solver=solver, tol=1e-5, max_iters=50, on_failure="ignore",
+        options=pallas_loop.Options(implementation="pallas", interpret=False))))(p)
 
   text = lowering.export_text(grad, params, h0, x, platform=platform)
   assert text.count(lowering.TARGETS[platform][2]) == 2

@@ -94,13 +94,9 @@ def test_step_returns_another_dtype():
     _call(step=lambda p, h, x: h.astype(jnp.bfloat16))
 
 
+# The how-to-run options' own checks: tests/test_options.py.
 @pytest.mark.parametrize("kw,error,match", [
-    (dict(implementation="triton"), ValueError, "implementation='triton' must be one of"),
     (dict(grad="implicit"), ValueError, "grad must be 'full', pallas_loop.Full"),
-    (dict(block_rows=0), ValueError, "block_rows=0 must be a positive int"),
-    (dict(block_rows=2.5), TypeError, "block_rows=2.5 must be a positive int"),
-    (dict(sort_rows=None), TypeError, "sort_rows=None must be a bool"),
-    (dict(implementation="xla", interpret=True), ValueError, "no meaning with implementation='xla'"),
 ])
 def test_bad_options(kw, error, match):
   with pytest.raises(error, match=match):
@@ -204,8 +200,8 @@ def test_first_contact_errors_say_what_to_do(case, implementation):
   kw, error, first_line = FIRST_CONTACT[case]
   kw = dict(dict(step=STEP, params=None, x=None), **kw)
   with pytest.raises(error) as excinfo:
-    pallas_loop.iterate(kw.pop("step"), kw.pop("params"), kw.pop("h0"), kw.pop("x"),
-                        implementation=implementation, **kw)
+    pallas_loop.iterate(kw.pop("step"), kw.pop("params"), kw.pop("h0"), kw.pop("x"), **kw,
+                        options=pallas_loop.Options(implementation=implementation))
   assert re.search(first_line, _first_line(excinfo)), _first_line(excinfo)
 
 
@@ -229,7 +225,7 @@ def test_jax_random_works_on_one_rows_key_with_per_example():
   # key, on which jax.random works (on the XLA path).
   step = lambda p, h, x, key: h + jax.random.normal(key, h.shape)
   out = pallas_loop.iterate(step, None, jnp.zeros((4, 3)), max_iters=1, key=jax.random.key(0),
-                            per_example=True, implementation="xla")
+                            per_example=True, options=pallas_loop.Options(implementation="xla"))
   keys = pallas_loop.random.step_keys(pallas_loop.random.key_data(jax.random.key(0)).reshape(1, 2),
                                       jnp.arange(4)[:, None], jnp.zeros((4, 1), jnp.int32))
   want = jax.vmap(lambda k: jax.random.normal(k, (3,)))(keys)
@@ -421,7 +417,7 @@ def test_closed_over_typed_key_runs_on_xla_by_default():
   # a typed key operand, not crash on its dtype.
   f = lambda p, h: pallas_loop.iterate(_closes_over_typed_key, p, h, max_iters=3).sum()
   want = lambda p, h: pallas_loop.iterate(_closes_over_typed_key, p, h, max_iters=3,
-                                          implementation="xla").sum()
+                                          options=pallas_loop.Options(implementation="xla")).sum()
   h0 = jnp.ones((8, 16))
   np.testing.assert_allclose(jax.jit(jax.grad(f))(0.5, h0), jax.jit(jax.grad(want))(0.5, h0),
                              rtol=1e-6)
@@ -430,7 +426,7 @@ def test_closed_over_typed_key_runs_on_xla_by_default():
 def test_closed_over_typed_key_in_the_kernel_is_refused():
   with pytest.raises(ValueError, match=r"typed PRNG key array \(key<fry>\).*pallas_loop.random"):
     pallas_loop.iterate(_closes_over_typed_key, 0.5, jnp.ones((8, 16)), max_iters=3,
-                        implementation="pallas")
+                        options=pallas_loop.Options(implementation="pallas"))
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])

@@ -74,11 +74,11 @@ def test_16_bit_operands_are_computed_in_float32(dtype):
                                atol=float(jnp.finfo(dtype).eps))
 
 
-def _export_gru(dtype, grad: bool, **kw):
+def _export_gru(dtype, grad: bool, approx_tanh: bool | None = None):
   step, params, h0, x = blocks.make("gru", 64, 32, jnp.dtype(dtype))
   n = jnp.arange(64, dtype=jnp.int32) % 9
-  run = lambda p, h, x_: pallas_loop.iterate(step, p, h, x_, iters=n, max_iters=8,
-                                             implementation="pallas", interpret=False, **kw)
+  options = pallas_loop.Options(implementation="pallas", interpret=False, approx_tanh=approx_tanh)
+  run = lambda p, h, x_: pallas_loop.iterate(step, p, h, x_, iters=n, max_iters=8, options=options)
   f = (jax.grad(lambda p, h, x_: jnp.sum(run(p, h, x_).astype(F32)), argnums=(0, 1, 2))
        if grad else run)
   return lowering.export_text(f, params, h0, x, platform="cuda")
@@ -96,15 +96,14 @@ def test_approx_tanh_overrides_the_policy():
   assert "tanh.approx.f32" not in _export_gru(BF16, True, approx_tanh=False)
   assert "tanh.approx.f32" in _export_gru(F32, False, approx_tanh=True)
   with pytest.raises(TypeError, match="approx_tanh"):
-    pallas_loop.iterate(lambda p, h, x: h, None, jnp.ones((4, 2)), max_iters=1,
-                        approx_tanh="yes")
+    pallas_loop.Options(approx_tanh="yes")
 
 
 def test_mosaic_kernels_keep_the_primitives():
   step, params, h0, x = blocks.make("gru", 64, 128, BF16)
   n = jnp.arange(64, dtype=jnp.int32) % 9
-  f = lambda p, h, x_: pallas_loop.iterate(step, p, h, x_, iters=n, max_iters=8,
-                                           implementation="pallas", interpret=False)
+  options = pallas_loop.Options(implementation="pallas", interpret=False)
+  f = lambda p, h, x_: pallas_loop.iterate(step, p, h, x_, iters=n, max_iters=8, options=options)
   text = lowering.export_text(f, params, h0, x, platform="tpu")
   assert "approx" not in text
 
@@ -124,11 +123,12 @@ def test_16_bit_tanh_and_logistic_lower_for_triton_and_match_in_interpret_mode()
   h0 = jax.random.normal(key[2], (48, 32)).astype(BF16)
   x = jax.random.normal(key[3], (48, 32)).astype(BF16)
   n = jnp.arange(48, dtype=jnp.int32) % 7
-  run = lambda **kw: (lambda p, h, x_: pallas_loop.iterate(
-      _bf16_gates, p, h, x_, iters=n, max_iters=6, implementation="pallas", **kw))
+  run = lambda interpret: (lambda p, h, x_: pallas_loop.iterate(
+      _bf16_gates, p, h, x_, iters=n, max_iters=6,
+      options=pallas_loop.Options(implementation="pallas", interpret=interpret)))
   text = lowering.export_text(run(interpret=False), params, h0, x, platform="cuda")
   assert "tanh.approx.f32" in text and "ex2.approx.ftz.f32" in text
-  got = run(interpret=True)(params, h0, x).astype(F32)
+  got = run(interpret="gpu")(params, h0, x).astype(F32)
   want = reference.iterate(_bf16_gates, params, h0, x, iters=n, max_iters=6).astype(F32)
   # One bf16 unit in the last place, a few times over six steps.
   np.testing.assert_allclose(got, want, atol=4 * 2.0 ** -7 * float(jnp.max(jnp.abs(want))))
@@ -138,7 +138,8 @@ def test_interpret_mode_runs_the_worst_case_tanh_within_one_ulp_a_step():
   step, params, h0, x = blocks.make("tanh_rnn", 64, 32, BF16, jax.random.key(0))
   n = jnp.full((64,), 1, jnp.int32)
   got = pallas_loop.iterate(step, params, h0, x, iters=n, max_iters=1,
-                            implementation="pallas", interpret=True).astype(F32)
+                            options=pallas_loop.Options(implementation="pallas",
+                                                        interpret="gpu")).astype(F32)
   want = reference.iterate(step, params, h0, x, iters=n, max_iters=1).astype(F32)
   ulp = 2.0 ** (jnp.floor(jnp.log2(jnp.maximum(jnp.abs(want), 2.0 ** -126))) - 7)
   assert bool(jnp.all(jnp.abs(got - want) <= ulp))  # faithful: within one bf16 ulp
@@ -153,6 +154,6 @@ def test_equations_without_operands_pass_the_rewrite():
   h0 = jnp.ones((16, 8), F32)
   n = jnp.arange(16, dtype=jnp.int32) % 4
   got = pallas_loop.iterate(step, jnp.float32(0.5), h0, h0, iters=n, max_iters=4,
-                            implementation="pallas", interpret=True)
+                            options=pallas_loop.Options(implementation="pallas", interpret="gpu"))
   want = reference.iterate(step, jnp.float32(0.5), h0, h0, iters=n, max_iters=4)
   np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -32,7 +32,7 @@ def _check_forward(impl, dtype, batch, pattern, block="tanh_rnn", d=16, **extra)
   n = cases.counts(pattern, batch)
   kw = dict(iters=n, max_iters=cases.MAX_ITERS)
   got, info = pallas_loop.iterate(step, params, h0, x, return_info=True,
-                                  **kw, **cases.IMPLEMENTATIONS[impl], **extra)
+                                  **kw, **extra, options=cases.IMPLEMENTATIONS[impl])
   want, want_f32 = oracle.reference_pair(step, params, h0, x, **kw)
   oracle.assert_trees_close(got, want, want_f32)
   ref_info = reference.iterate(step, params, h0, x, return_info=True, **kw)[1]
@@ -72,14 +72,17 @@ def test_independent_of_tiling_and_order(block_rows, sort_rows):
   n = cases.counts("ragged", 45, seed=3)
   kw = dict(iters=n, max_iters=cases.MAX_ITERS)
   want = reference.iterate(step, params, h0, x, **kw)
-  got = pallas_loop.iterate(step, params, h0, x, implementation="pallas", interpret=True,
-                            block_rows=block_rows, sort_rows=sort_rows, **kw)
+  got = pallas_loop.iterate(step, params, h0, x, **kw,
+                            options=pallas_loop.Options(implementation="pallas", interpret=True,
+                                                        block_rows=block_rows, sort_rows=sort_rows))
   oracle.assert_trees_close(got, want)
   # Results do not depend on the order of rows either.
   perm = np.random.default_rng(0).permutation(45)
   permuted = pallas_loop.iterate(step, params, h0[perm], x[perm], iters=n[perm],
-                                 max_iters=cases.MAX_ITERS, implementation="pallas",
-                                 interpret=True, block_rows=block_rows, sort_rows=sort_rows)
+                                 max_iters=cases.MAX_ITERS,
+                                 options=pallas_loop.Options(implementation="pallas",
+                                                             interpret=True, block_rows=block_rows,
+                                                             sort_rows=sort_rows))
   np.testing.assert_allclose(permuted, got[perm], rtol=1e-6, atol=1e-6)
 
 
@@ -91,7 +94,7 @@ def test_motivating_vmap_doubling():
   for impl in QUICK_IMPLS:
     def iterate_for_steps(n):
       return pallas_loop.iterate(double, None, init[None], iters=n, max_iters=3,
-                                 **cases.IMPLEMENTATIONS[impl])[0]
+                                 options=cases.IMPLEMENTATIONS[impl])[0]
     out = jax.jit(jax.vmap(iterate_for_steps))(jnp.array([1, 2, 3]))
     np.testing.assert_array_equal(out, jnp.array([[2.0] * 5, [4.0] * 5, [8.0] * 5]))
 
@@ -103,7 +106,7 @@ def test_padding_never_leaks(impl):
   n = cases.counts("ragged", 13)
   with pallas_loop.testing.poisoned_padding():
     got = pallas_loop.iterate(step, params, h0, x, iters=n, max_iters=cases.MAX_ITERS,
-                              block_rows=8, **cases.IMPLEMENTATIONS[impl])
+                              options=cases.IMPLEMENTATIONS[impl].replace(block_rows=8))
   assert np.all(np.isfinite(got))
   oracle.assert_trees_close(got, reference.iterate(step, params, h0, x, iters=n,
                                                    max_iters=cases.MAX_ITERS))
@@ -118,7 +121,7 @@ def test_rows_with_zero_count_are_not_read(impl):
   h0 = jnp.where(dead[:, None], jnp.nan, h0)
   x = jnp.where(dead[:, None], jnp.nan, x)
   got = pallas_loop.iterate(step, params, h0, x, iters=n, max_iters=cases.MAX_ITERS,
-                            block_rows=8, **cases.IMPLEMENTATIONS[impl])
+                            options=cases.IMPLEMENTATIONS[impl].replace(block_rows=8))
   want = reference.iterate(step, params, h0, x, iters=n, max_iters=cases.MAX_ITERS)
   assert np.all(np.isnan(got[dead]))
   oracle.assert_trees_close(got[~dead], want[~dead])
@@ -133,8 +136,8 @@ def test_mixed_rank_leaves_scalar_param_no_x(impl):
            jax.random.normal(k[3], (batch, 4, 16)))
   n = cases.counts("ragged", batch)
   kw = dict(iters=n, max_iters=cases.MAX_ITERS)
-  got = pallas_loop.iterate(cases.mixed_rank_step, params, state, block_rows=8, **kw,
-                            **cases.IMPLEMENTATIONS[impl])
+  got = pallas_loop.iterate(cases.mixed_rank_step, params, state, **kw,
+                            options=cases.IMPLEMENTATIONS[impl].replace(block_rows=8))
   oracle.assert_trees_close(got, reference.iterate(cases.mixed_rank_step, params, state, **kw))
 
 
@@ -149,7 +152,7 @@ def test_params_none_and_closed_over_arrays(impl):
   def run(bias):
     step = lambda params, h, x: jnp.tanh(h @ w_global + bias)
     got = pallas_loop.iterate(step, None, h0, iters=n, max_iters=cases.MAX_ITERS,
-                              **cases.IMPLEMENTATIONS[impl])
+                              options=cases.IMPLEMENTATIONS[impl])
     want = reference.iterate(step, None, h0, iters=n, max_iters=cases.MAX_ITERS)
     return got, want
 
@@ -168,7 +171,7 @@ def test_traced_counts_compile_once(impl):
 
   run = jax.jit(lambda n: pallas_loop.iterate(counted, params, h0, x, iters=n,
                                               max_iters=cases.MAX_ITERS,
-                                              **cases.IMPLEMENTATIONS[impl]))
+                                              options=cases.IMPLEMENTATIONS[impl]))
   for seed in range(3):
     n = cases.counts("ragged", 9, seed=seed)
     oracle.assert_trees_close(run(n), reference.iterate(step, params, h0, x, iters=n,
@@ -185,7 +188,7 @@ def test_scalar_iters_and_zero_max(impl, iters):
   step, params, h0, x = blocks.make("tanh_rnn", 5, 16)
   for max_iters in (0, 4):
     got, info = pallas_loop.iterate(step, params, h0, x, iters=iters, max_iters=max_iters,
-                                    return_info=True, **cases.IMPLEMENTATIONS[impl])
+                                    return_info=True, options=cases.IMPLEMENTATIONS[impl])
     want = reference.iterate(step, params, h0, x, iters=iters, max_iters=max_iters)
     oracle.assert_trees_close(got, want)
     np.testing.assert_array_equal(info.steps, np.full(5, np.clip(int(iters), 0, max_iters)))
@@ -196,7 +199,7 @@ def test_per_example_step_is_vmapped_over_rows(impl):
   step, params, h0, x = blocks.make("gru", 19, 16)
   one_row = lambda p, h, x_: step(p, h[None], x_[None])[0]   # written for one row
   n = cases.counts("ragged", 19)
-  kw = dict(iters=n, max_iters=cases.MAX_ITERS, **cases.IMPLEMENTATIONS[impl])
+  kw = dict(iters=n, max_iters=cases.MAX_ITERS, options=cases.IMPLEMENTATIONS[impl])
   got = pallas_loop.iterate(one_row, params, h0, x, per_example=True, **kw)
   want = pallas_loop.iterate(step, params, h0, x, **kw)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
@@ -216,7 +219,7 @@ def test_per_example_step_gets_its_row_key(impl):
   one_row = lambda p, h, x_, key: h + pallas_loop.random.uniform(key, h.shape)
   kw = dict(iters=3, max_iters=3, key=jax.random.key(1))
   got = pallas_loop.iterate(one_row, None, h0, per_example=True, **kw,
-                            **cases.IMPLEMENTATIONS[impl])
+                            options=cases.IMPLEMENTATIONS[impl])
   ref = reference.iterate(one_row, None, h0, per_example=True, **kw)
   np.testing.assert_allclose(got, ref, rtol=1e-6)
   # A row's draws depend only on its key: the same as the batched step's.

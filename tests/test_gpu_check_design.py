@@ -5,18 +5,18 @@ from __future__ import annotations
 from benchmarks import gpu_check
 
 
-def test_design_variants_time_check_and_skip_what_iterate_lacks(monkeypatch):
+def test_design_variants_time_check_and_skip_what_options_lack(monkeypatch):
   monkeypatch.setattr(gpu_check, "DESIGN_VARIANTS", (
       ("masked_scan", {}),
       ("vmap_while", {}),
       ("pallas hoist=False", {"hoist": False}),
-      ("pallas future option", {"no_such_keyword": 1}),
+      ("pallas future option", {"no_such_option": 1}),
   ))
   lines = gpu_check.design_variants("tanh_rnn", 16, 16, 4, repeats=1)
   by = {l["variant"]: l for l in lines}
   assert list(by) == ["masked_scan", "vmap_while", "pallas hoist=False", "pallas future option"]
   skipped = by["pallas future option"]
-  assert "no_such_keyword" in skipped["skipped"] and "seconds" not in skipped
+  assert "no_such_option" in skipped["skipped"] and "seconds" not in skipped
   for name in ("masked_scan", "vmap_while", "pallas hoist=False"):
     line = by[name]
     assert line["ok"] and line["seconds"] > 0 and line["compile_s"] > 0, line

@@ -39,8 +39,9 @@ def _grads(run, step, params, h0, x, **kw):
   return jax.grad(loss, argnums=(0, 1, 2))(params, h0, x)
 
 
-def _iterate(impl, **extra):
-  return functools.partial(pallas_loop.iterate, **cases.IMPLEMENTATIONS[impl], **extra)
+def _iterate(impl, block_rows=None, **extra):
+  return functools.partial(pallas_loop.iterate, **extra,
+                           options=cases.IMPLEMENTATIONS[impl].replace(block_rows=block_rows))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -99,7 +100,7 @@ def test_phantom_matches_unrolled_oracle(impl, k):
   step, params, h0, x = blocks.make("tanh_rnn", 19, 16)
   n = cases.counts("ragged", 19, seed=3)
   got_h = pallas_loop.iterate(step, params, h0, x, iters=n, max_iters=MAX,
-                              grad=pallas_loop.Phantom(k), **cases.IMPLEMENTATIONS[impl])
+                              grad=pallas_loop.Phantom(k), options=cases.IMPLEMENTATIONS[impl])
   oracle.assert_trees_close(got_h, reference.iterate(step, params, h0, x, iters=n, max_iters=MAX))
   got = _grads(_iterate(impl, block_rows=8), step, params, h0, x, iters=n, max_iters=MAX,
                grad=pallas_loop.Phantom(k))
@@ -124,7 +125,7 @@ def test_implicit_linear_closed_form(impl):
 
   def loss(a, h, x_):
     out = pallas_loop.iterate(_linear, a, h, x_, iters=n, max_iters=200, tol=1e-7, grad=mode,
-                              **cases.IMPLEMENTATIONS[impl])
+                              options=cases.IMPLEMENTATIONS[impl])
     return jnp.sum(g * out)
 
   g_a, g_h0, g_x = jax.grad(loss, argnums=(0, 1, 2))(a, h0, x)
@@ -179,12 +180,12 @@ def test_modes_under_jit_and_vmap(mode):
 
   def per_example(p, h, x_, k):
     out = pallas_loop.iterate(step, p, h[None], x_[None], iters=k, max_iters=MAX, grad=mode,
-                              implementation="xla")
+                              options=pallas_loop.Options(implementation="xla"))
     return jnp.sum(jnp.tanh(out))
 
   def batched(p):
     out = pallas_loop.iterate(step, p, h0, x, iters=n, max_iters=MAX, grad=mode,
-                              implementation="xla")
+                              options=pallas_loop.Options(implementation="xla"))
     return jnp.sum(jnp.tanh(out))
 
   per_row = jax.jit(jax.vmap(jax.grad(per_example), (None, 0, 0, 0)))(params, h0, x, n)
@@ -243,7 +244,7 @@ def test_empty_batch(impl, grad):
   def loss(w, h0, x):
     h, info = pallas_loop.iterate(step, w, h0, x, iters=jnp.zeros(0, jnp.int32), max_iters=3,
                                   tol=1e-3, grad=grad, return_info=True,
-                                  **cases.IMPLEMENTATIONS[impl])
+                                  options=cases.IMPLEMENTATIONS[impl])
     assert h.shape == (0, 4) and info.steps.shape == (0,) and info.halted.shape == (0,)
     return jnp.sum(h)
 

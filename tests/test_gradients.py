@@ -36,7 +36,8 @@ def _grads(run, step, params, h0, x, n):
 def test_grad_matches_reference(impl, block, pattern):
   step, params, h0, x = blocks.make(block, 19, 16)
   n = cases.counts(pattern, 19)
-  run = functools.partial(pallas_loop.iterate, **cases.IMPLEMENTATIONS[impl], block_rows=8)
+  run = functools.partial(pallas_loop.iterate,
+                          options=cases.IMPLEMENTATIONS[impl].replace(block_rows=8))
   got = _grads(run, step, params, h0, x, n)
   want = _grads(reference.iterate, step, params, h0, x, n)
   oracle.assert_trees_close(got, want, what="gradient")
@@ -46,7 +47,7 @@ def test_grad_matches_reference(impl, block, pattern):
 def test_grad_bf16(impl):
   step, params, h0, x = blocks.make("tanh_rnn", 16, 16, jnp.bfloat16)
   n = cases.counts("ragged", 16)
-  run = functools.partial(pallas_loop.iterate, **cases.IMPLEMENTATIONS[impl])
+  run = functools.partial(pallas_loop.iterate, options=cases.IMPLEMENTATIONS[impl])
   got = _grads(run, step, params, h0, x, n)
   want = _grads(reference.iterate, step, params, h0, x, n)
   want_f32 = _grads(reference.iterate, step, *oracle.to_f32((params, h0, x)), n)
@@ -57,7 +58,7 @@ def test_grad_bf16(impl):
 def test_finite_differences(impl):
   step, params, h0, x = blocks.make("tanh_rnn", 6, 16)
   n = jnp.array([0, 1, 2, 3, 4, 6], jnp.int32)
-  run = functools.partial(pallas_loop.iterate, **cases.IMPLEMENTATIONS[impl])
+  run = functools.partial(pallas_loop.iterate, options=cases.IMPLEMENTATIONS[impl])
   f = lambda p, h, x_: _loss(run, step, p, h, x_, n)
   check_grads(f, (params, h0, x), order=1, modes=("rev",), eps=1e-2, atol=5e-2, rtol=5e-2)
 
@@ -67,7 +68,7 @@ def test_rows_with_zero_count_keep_gradients_finite(impl):
   """A count-0 row holding NaN gets a pass-through gradient, others unaffected."""
   step, params, h0, x = blocks.make("tanh_rnn", 8, 16)
   n = jnp.array([0, 3, 1, 6, 2, 0, 5, 4], jnp.int32)
-  run = functools.partial(pallas_loop.iterate, **cases.IMPLEMENTATIONS[impl])
+  run = functools.partial(pallas_loop.iterate, options=cases.IMPLEMENTATIONS[impl])
   g_h0 = jax.grad(lambda h: _loss(run, step, params, h, x, n))(h0)
   want = jax.grad(lambda h: _loss(reference.iterate, step, params, h, x, n))(h0)
   oracle.assert_trees_close(g_h0, want)
@@ -78,7 +79,7 @@ def test_compositions(impl):
   """jit(grad), vmap(grad) with per-example counts, grad(vmap), vmap of iterate."""
   step, params, h0, x = blocks.make("tanh_rnn", 6, 16)
   n = cases.counts("ragged", 6, seed=1)
-  run = functools.partial(pallas_loop.iterate, **cases.IMPLEMENTATIONS[impl])
+  run = functools.partial(pallas_loop.iterate, options=cases.IMPLEMENTATIONS[impl])
 
   def per_example(p, h, x_, k, iterate):
     """One example (no row axis) with its own count: what vmap users write."""

@@ -37,8 +37,8 @@ def problem(batch=40, dtype=jnp.float32, seed=0):
 
 
 def _compare(impl, w, h0, x, want_f32=None, **kw):
-  got, info = pallas_loop.iterate(contraction, w, h0, x, return_info=True, block_rows=8,
-                                  **kw, **cases.IMPLEMENTATIONS[impl])
+  got, info = pallas_loop.iterate(contraction, w, h0, x, return_info=True,
+                                  **kw, options=cases.IMPLEMENTATIONS[impl].replace(block_rows=8))
   want, ref_info = reference.iterate(contraction, w, h0, x, return_info=True, **kw)
   oracle.assert_trees_close(got, want, want_f32)
   np.testing.assert_array_equal(info.steps, ref_info.steps)
@@ -88,7 +88,7 @@ def test_traced_tol_and_min_iters_compile_once(impl):
   def run(tol, min_iters):
     return pallas_loop.iterate(counted, w, h0, x, iters=50, max_iters=50, tol=tol,
                                min_iters=min_iters, return_info=True,
-                               **cases.IMPLEMENTATIONS[impl])[1].steps
+                               options=cases.IMPLEMENTATIONS[impl])[1].steps
 
   for tol, m in ((1e-3, 0), (1e-5, 10), (1e-2, 30)):
     want = reference.iterate(contraction, w, h0, x, iters=50, max_iters=50, tol=tol,
@@ -102,7 +102,7 @@ def test_bf16_state_float32_residual(impl):
   w, h0, x = problem(dtype=jnp.bfloat16)
   kw = dict(iters=40, max_iters=40, tol=2e-2)
   got, info = pallas_loop.iterate(contraction, w, h0, x, return_info=True,
-                                  **kw, **cases.IMPLEMENTATIONS[impl])
+                                  **kw, options=cases.IMPLEMENTATIONS[impl])
   want, ref_info = reference.iterate(contraction, w, h0, x, return_info=True, **kw)
   want_f32 = reference.iterate(contraction, *oracle.to_f32((w, h0, x)), **kw)
   assert got.dtype == jnp.bfloat16 and info.residual.dtype == jnp.float32
@@ -115,7 +115,7 @@ def test_nan_row_runs_to_its_budget(impl):
   w, h0, x = problem(16)
   x = {"rate": x["rate"], "bias": x["bias"].at[3].set(jnp.nan)}
   got, info = pallas_loop.iterate(contraction, w, h0, x, iters=30, max_iters=30, tol=1e-4,
-                                  return_info=True, **cases.IMPLEMENTATIONS[impl])
+                                  return_info=True, options=cases.IMPLEMENTATIONS[impl])
   assert info.steps[3] == 30 and not info.halted[3] and np.isnan(info.residual[3])
   others = np.arange(16) != 3
   assert np.all(info.halted[others]) and np.all(np.isfinite(got[others]))
@@ -130,7 +130,8 @@ def test_gradients_through_the_applied_steps(impl):
   def loss(run, w, h0, x):
     return jnp.sum(jnp.sin(run(contraction, w, h0, x, **kw)))
 
-  run = functools.partial(pallas_loop.iterate, block_rows=8, **cases.IMPLEMENTATIONS[impl])
+  run = functools.partial(pallas_loop.iterate,
+                          options=cases.IMPLEMENTATIONS[impl].replace(block_rows=8))
   got = jax.grad(functools.partial(loss, run), argnums=(0, 1, 2))(w, h0, x)
   want = jax.grad(functools.partial(loss, reference.iterate), argnums=(0, 1, 2))(w, h0, x)
   oracle.assert_trees_close(got, want, what="gradient")
@@ -145,8 +146,9 @@ def test_halting_kernel_lowers(platform, criterion):
           "below": dict(halt=halting.below(lambda p, hn, h, x: halting.row_rms(hn), 0.5),
                         tol=1e-4)}[criterion]
   f = lambda w, h0, x: pallas_loop.iterate(contraction, w, h0, x, iters=40, max_iters=40,
-                                           implementation="pallas", interpret=False,
-                                           return_info=True, **opts)
+                                           return_info=True, **opts,
+                                           options=pallas_loop.Options(implementation="pallas",
+                                                                       interpret=False))
   text = lowering.export_text(f, w, h0, x, platform=platform)
   assert lowering.kernel_marker(platform) in text
 
@@ -190,10 +192,10 @@ def test_iters_defaults_to_max_iters(impl):
   # A deep-equilibrium call: the budget is spelled once, halting on tol.
   step, params, h0, x = blocks.make("deq", 19, 16)
   kw = dict(max_iters=40, tol=1e-4, return_info=True)
-  got, info = pallas_loop.iterate(step, params, h0, x, **cases.IMPLEMENTATIONS[impl], **kw)
+  got, info = pallas_loop.iterate(step, params, h0, x, **kw, options=cases.IMPLEMENTATIONS[impl])
   want, want_info = reference.iterate(step, params, h0, x, **kw)
   oracle.assert_trees_close(got, want)
   np.testing.assert_array_equal(info.steps, want_info.steps)
-  explicit = pallas_loop.iterate(step, params, h0, x, iters=40, **cases.IMPLEMENTATIONS[impl],
-                                 **kw)[0]
+  explicit = pallas_loop.iterate(step, params, h0, x, iters=40,
+                                 **kw, options=cases.IMPLEMENTATIONS[impl])[0]
   np.testing.assert_array_equal(np.asarray(got), np.asarray(explicit))

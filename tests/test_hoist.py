@@ -89,13 +89,18 @@ def _grads(run, step, extra, params, h0, x, n):
 
 
 def _run(impl, hoist_on=True, **kw):
-  return functools.partial(pallas_loop.iterate, **cases.IMPLEMENTATIONS[impl], block_rows=8,
-                           hoist=hoist_on, **kw)
+  options = cases.IMPLEMENTATIONS[impl].replace(block_rows=8, hoist=hoist_on)
+  return functools.partial(pallas_loop.iterate, **kw, options=options)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", STEPS)
-def test_forward_and_grad_match_reference(impl, name):
+def test_forward_and_grad_match_reference(request, impl, name):
+  if name == "indexed" and impl == "pallas":
+    # Untied weights: every compiled backend declines the backward (and so
+    # does interpret mode, `tests/test_step_index.py`); its logic is checked
+    # with the TPU's rules lifted.
+    request.getfixturevalue("tpu_step_rules_lifted")
   step, params, h0, x, extra = _make(name)
   n = cases.counts("ragged", B)
   got = _run(impl)(step, params, h0, x, iters=n, max_iters=cases.MAX_ITERS, **extra)
@@ -242,6 +247,12 @@ def test_split_decisions(caplog):
   _, d = hoist.split(body(big), jnp.ones(64), h0, x)
   assert d.per_row == () or all(np.prod(a.shape[1:]) <= 7 for a in d.per_row)
 
+  # A constant (attention's `jnp.sqrt(d)` scaling) is no residual: the kernels
+  # compute it while tracing; as a parameter its gradient would be a scalar sum.
+  scaled = lambda p, h, x_: h + jnp.tanh(x_ @ p) / jnp.sqrt(4.0).astype(h.dtype)
+  _, d = hoist.split(body(scaled), u, h0, x)
+  assert d.hoisted and not d.shared and [a.shape for a in d.per_row] == [(8, 4)]
+
   # A result whose row axis is not leading stays in the loop.
   trailing = lambda p, h, x_: h + jnp.tanh(jnp.einsum("bi,ij->jb", x_, p)).T
   hoisted, d = hoist.split(body(trailing), u, h0, x)
@@ -292,14 +303,16 @@ h0, x = jax.random.normal(k[3], (B, D)), jax.random.normal(k[4], (B, D))
 n = jnp.arange(B, dtype=jnp.int32) % 6
 rows = NamedSharding(jax.make_mesh((8,), ("rows",)), P("rows"))
 s_h0, s_x, s_n = jax.device_put((h0, x, n), rows)
-for impl in ({"implementation": "xla"}, {"implementation": "pallas", "interpret": True}):
-  run = functools.partial(pallas_loop.iterate, max_iters=5, block_rows=4, **impl)
+for impl in ("xla", "pallas"):
+  options = pallas_loop.Options(implementation=impl, interpret=True if impl == "pallas" else None,
+                                block_rows=4)
+  run = functools.partial(pallas_loop.iterate, max_iters=5, options=options)
   forward = jax.jit(lambda p, h, x_, n_: run(step, p, h, x_, iters=n_))
   with dispatch.observe_plans() as seen:
     got = forward(params, s_h0, s_x, s_n)
   for _, _, plan in seen:  # the kernel's step: h @ w only, x @ u was hoisted
     assert [e.primitive.name for e in plan.traced.jaxpr.eqns].count("dot_general") == 1
-  assert len(seen) == (impl["implementation"] == "pallas")
+  assert len(seen) == (impl == "pallas")
   oracle.assert_trees_close(got, reference.iterate(step, params, h0, x, iters=n, max_iters=5))
   assert got.sharding.spec == P("rows", None), got.sharding
   assert hlo.collectives(forward.lower(params, s_h0, s_x, s_n).compile().as_text()) == {}

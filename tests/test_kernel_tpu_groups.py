@@ -26,13 +26,14 @@ from benchmarks import blocks
 from tests import cases
 from tests import oracle
 
-TPU_INTERPRET = dict(implementation="pallas", interpret=pltpu.InterpretParams())
+TPU_INTERPRET = pallas_loop.Options(implementation="pallas", interpret=pltpu.InterpretParams())
 
 
-def _run(step, params, h0, x, *, block_rows=16, **kw):
+def _run(step, params, h0, x, *, block_rows=16, sort_rows=True, **kw):
   """iterate in TPU interpret mode, with the forward plan it took."""
+  options = TPU_INTERPRET.replace(block_rows=block_rows, sort_rows=sort_rows)
   with dispatch.observe_plans() as seen, pallas_loop.testing.poisoned_padding():
-    out = pallas_loop.iterate(step, params, h0, x, block_rows=block_rows, **TPU_INTERPRET, **kw)
+    out = pallas_loop.iterate(step, params, h0, x, **kw, options=options)
   return out, [p for what, _, p in seen if what == "forward"]
 
 
@@ -137,8 +138,9 @@ def test_gradient_through_the_group_kernel():
   n = cases.counts("ragged", 45, seed=7)
   kw = dict(iters=n, max_iters=cases.MAX_ITERS)
   loss = lambda f: lambda p, h: cases.tree_sum(f(step, p, h, x, **kw))
-  ours = jax.grad(loss(lambda *a, **k: pallas_loop.iterate(*a, block_rows=16, **TPU_INTERPRET,
-                                                           **k)), argnums=(0, 1))(params, h0)
+  options = TPU_INTERPRET.replace(block_rows=16)
+  ours = jax.grad(loss(lambda *a, **k: pallas_loop.iterate(*a, **k, options=options)),
+                  argnums=(0, 1))(params, h0)
   want = jax.grad(loss(reference.iterate), argnums=(0, 1))(params, h0)
   oracle.assert_trees_close(ours, want, what="gradient")
 

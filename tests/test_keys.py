@@ -44,17 +44,16 @@ def test_keyed_step_matches_reference(impl, tiling):
   n = cases.counts("ragged", 19)
   key = jax.random.key(7)
   kw = dict(iters=n, max_iters=cases.MAX_ITERS, key=key)
-  extra = tiling if impl != "xla" else {}
+  options = cases.IMPLEMENTATIONS[impl].replace(**(tiling if impl != "xla" else {}))
   with pallas_loop.testing.poisoned_padding():
-    got = pallas_loop.iterate(noisy_dropout_step, w, h0, x, **kw, **cases.IMPLEMENTATIONS[impl],
-                              **extra)
+    got = pallas_loop.iterate(noisy_dropout_step, w, h0, x, **kw, options=options)
   oracle.assert_trees_close(got, reference.iterate(noisy_dropout_step, w, h0, x, **kw))
 
 
 def test_key_kinds_and_determinism():
   w, h0, x = _inputs(8)
   run = functools.partial(pallas_loop.iterate, noisy_dropout_step, w, h0, x, iters=4,
-                          max_iters=4, implementation="xla")
+                          max_iters=4, options=pallas_loop.Options(implementation="xla"))
   typed, legacy = run(key=jax.random.key(3)), run(key=jax.random.PRNGKey(3))
   np.testing.assert_array_equal(typed, legacy)
   np.testing.assert_array_equal(typed, run(key=jax.random.key(3)))
@@ -67,11 +66,11 @@ def test_a_row_keeps_its_keys_whatever_the_other_rows():
   w, h0, x = _inputs(8)
   key = jax.random.key(5)
   full = pallas_loop.iterate(noisy_dropout_step, w, h0, x, iters=3, max_iters=3, key=key,
-                             implementation="pallas", block_rows=8)
+                             options=pallas_loop.Options(implementation="pallas", block_rows=8))
   # The same rows with different counts elsewhere: row 2's result is unchanged.
   n = jnp.array([0, 1, 3, 2, 0, 3, 1, 2])
   mixed = pallas_loop.iterate(noisy_dropout_step, w, h0, x, iters=n, max_iters=3, key=key,
-                              implementation="pallas", block_rows=8)
+                              options=pallas_loop.Options(implementation="pallas", block_rows=8))
   np.testing.assert_allclose(mixed[2], full[2], rtol=1e-6)
 
 
@@ -90,7 +89,8 @@ def test_gradients_replay_the_keys(impl, mode):
 
   # The oracle's own argument for Truncated(k)'s gradient.
   truncate = {"truncate": mode.k} if isinstance(mode, pallas_loop.Truncated) else {}
-  oracle.assert_trees_close(grads(pallas_loop.iterate, grad=mode, **cases.IMPLEMENTATIONS[impl]),
+  oracle.assert_trees_close(grads(pallas_loop.iterate, grad=mode,
+                                  options=cases.IMPLEMENTATIONS[impl]),
                             grads(reference.iterate, **truncate), what="gradient")
 
 
@@ -117,7 +117,8 @@ def test_keyed_kernel_lowers(platform):
 
   def f(w_, h, x_, n_):
     out = pallas_loop.iterate(noisy_dropout_step, w_, h, x_, iters=n_, max_iters=4,
-                              key=jax.random.key(0), implementation="pallas", interpret=False)
+                              key=jax.random.key(0),
+                              options=pallas_loop.Options(implementation="pallas", interpret=False))
     return jnp.sum(out)
 
   for fn in (f, jax.grad(f)):

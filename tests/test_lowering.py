@@ -26,8 +26,11 @@ from tests import lowering
 PLATFORMS = ("cuda", "tpu")
 
 
-def _compiled(step, **kw):
-  return lambda p, h, x, n: pallas_loop.iterate(step, p, h, x, iters=n, max_iters=8, **kw)
+def _compiled(step, grad="full", **options):
+  """iterate on `step`, with `options` the fields of its `pallas_loop.Options`."""
+  options = pallas_loop.Options(**options)
+  return lambda p, h, x, n: pallas_loop.iterate(step, p, h, x, iters=n, max_iters=8, grad=grad,
+                                                options=options)
 
 
 def _fwd_bwd(f):
@@ -64,9 +67,10 @@ def test_mixed_rank_leaves_and_scalar_params_lower(platform):
   params = (jnp.float32(0.8), jnp.ones((16, 16)) * 0.1)
   state = (jnp.ones((batch,)), jnp.ones((batch, 16)), jnp.ones((batch, 4, 16)))
   n = jnp.arange(batch, dtype=jnp.int32) % 5
+  options = pallas_loop.Options(implementation="pallas", interpret=False,
+                                block_rows=32 if platform == "tpu" else 16)
   f = lambda p, s, n: pallas_loop.iterate(cases.mixed_rank_step, p, s, iters=n, max_iters=4,
-                                          implementation="pallas", interpret=False,
-                                          block_rows=32 if platform == "tpu" else 16)
+                                          options=options)
   text = lowering.export_text(f, params, state, n, platform=platform)
   assert lowering.kernel_marker(platform) in text
 
@@ -122,7 +126,8 @@ def test_unsupported_primitive_is_named(platform):
   step = lambda p, h, x: jnp.sort(h, axis=-1) * 0.5
   h0 = jnp.ones((32, 16))
   f = lambda h, n: pallas_loop.iterate(step, None, h, iters=n, max_iters=3,
-                                       implementation="pallas", interpret=False)
+                                       options=pallas_loop.Options(implementation="pallas",
+                                                                   interpret=False))
   with pytest.raises(ValueError, match=r"primitive `sort`.*implementation='xla'"):
     lowering.export_text(f, h0, jnp.ones((32,), jnp.int32), platform=platform)
 
@@ -130,7 +135,8 @@ def test_unsupported_primitive_is_named(platform):
 def test_compiled_pallas_on_cpu_says_what_to_do():
   h0 = jnp.ones((16, 16))
   f = jax.jit(lambda h: pallas_loop.iterate(lambda p, h, x: h * 0.5, None, h, iters=2, max_iters=3,
-                                            implementation="pallas", interpret=False))
+                                            options=pallas_loop.Options(implementation="pallas",
+                                                                        interpret=False)))
   with pytest.raises(ValueError, match="interpret=True"):
     f(h0)
 
@@ -174,9 +180,9 @@ def test_bf16_dots_in_the_kernels_ignore_highest_precision(interpret):
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   mode = True if interpret == "triton" else pltpu.InterpretParams()
   step, params, h0, x = blocks.make("gru", 32, 16, jnp.bfloat16)
+  options = pallas_loop.Options(implementation="pallas", interpret=mode, hoist=False)
   loss = lambda p, h, x_: jnp.sum(pallas_loop.iterate(
-      step, p, h, x_, iters=3, max_iters=4, implementation="pallas", interpret=mode,
-      hoist=False).astype(jnp.float32))
+      step, p, h, x_, iters=3, max_iters=4, options=options).astype(jnp.float32))
   with jax.default_matmul_precision("highest"):
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params, h0, x).jaxpr
   kernels = [e.params["jaxpr"] for e in backend_lib.iter_eqns(jaxpr)

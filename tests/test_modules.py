@@ -21,8 +21,8 @@ from tests import cases
 from tests import oracle
 
 B, D, HIDDEN, MAX_ITERS = 13, 16, 32, 5
-IMPLS = {"xla": dict(implementation="xla"),
-         "pallas": dict(implementation="pallas", interpret=True, block_rows=8)}
+IMPLS = {"xla": pallas_loop.Options(implementation="xla"),
+         "pallas": pallas_loop.Options(implementation="pallas", interpret=True, block_rows=8)}
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -60,7 +60,7 @@ def test_flax_module_as_block_matches_reference(impl):
   h0, x, n = _inputs()
   testing.check_row_independence(step, params, h0, x)
   report = testing.check_against_reference(step, params, h0, x, iters=n,
-                                           max_iters=MAX_ITERS, **IMPLS[impl])
+                                           max_iters=MAX_ITERS, options=IMPLS[impl])
   # Forward, then one gradient per Param leaf (up/inp/down kernels and biases), h0 and x.
   grad_names = [c.name for c in report.comparisons if "params" in c.name]
   assert len(grad_names) == len(jax.tree.leaves(params)) == 5, grad_names
@@ -80,7 +80,7 @@ def test_flax_closed_over_module_is_differentiated(impl):
       return cases.tree_sum(jnp.sin(out))
     return f
 
-  got = nnx.grad(loss(pallas_loop.iterate, IMPLS[impl]))(cell)
+  got = nnx.grad(loss(pallas_loop.iterate, {"options": IMPLS[impl]}))(cell)
   want = nnx.grad(loss(reference.iterate, {}))(cell)
   oracle.assert_trees_close(got, want, what="gradient w.r.t. a closed-over module")
   assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(got))
@@ -105,7 +105,7 @@ def test_flax_stateful_module_closed_over_raises():
   module = Noisy(nnx.Rngs(0))
   with pytest.raises(errors.TraceContextError, match="Cannot mutate RngCount from a different trace level"):
     pallas_loop.iterate(lambda p, h, x_: module(h, x_), None, h0, x, iters=n,
-                        max_iters=MAX_ITERS, implementation="xla")
+                        max_iters=MAX_ITERS, options=pallas_loop.Options(implementation="xla"))
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
@@ -134,7 +134,7 @@ def test_linen_module_as_block_matches_reference(impl):
   step = lambda v, h, x: cell.apply(v, h, x, train=False)   # rows: Dense acts on the last axis
   assert isinstance(cell, nn.Module) and cell.parent is None
   testing.check_against_reference(step, variables, h0, x, iters=n, max_iters=MAX_ITERS,
-                                  **IMPLS[impl])
+                                  options=IMPLS[impl])
 
 
 @pytest.mark.parametrize("library", ["linen", "nnx"])
@@ -155,7 +155,7 @@ def test_flax_dropout_mask_is_the_rows_key_at_each_step(library):
     step = example.nnx_step(graphdef)
   key = jax.random.key(7)
   got = pallas_loop.iterate(step, params, h0, x, iters=n, max_iters=MAX_ITERS, key=key,
-                            per_example=True, implementation="xla")
+                            per_example=True, options=pallas_loop.Options(implementation="xla"))
   words = pallas_loop.random.key_data(key).reshape(1, 2)
   for i in range(B):
     h = h0[i]
@@ -165,7 +165,7 @@ def test_flax_dropout_mask_is_the_rows_key_at_each_step(library):
     np.testing.assert_allclose(got[i], h, rtol=1e-5, atol=1e-6)
   deterministic = pallas_loop.iterate(
       lambda p, h, x, key: step(p, h, x, key * 0), params, h0, x, iters=n, max_iters=MAX_ITERS,
-      key=key, per_example=True, implementation="xla")
+      key=key, per_example=True, options=pallas_loop.Options(implementation="xla"))
   assert not np.allclose(got, deterministic)  # the masks differ across rows and steps
 
 
@@ -181,7 +181,7 @@ def test_equinox_module_as_block_matches_reference(impl):
   h0, x, n = _inputs()
   testing.check_row_independence(step, params, h0, x)
   report = testing.check_against_reference(step, params, h0, x, iters=n,
-                                           max_iters=MAX_ITERS, **IMPLS[impl])
+                                           max_iters=MAX_ITERS, options=IMPLS[impl])
   grad_names = [c.name for c in report.comparisons if "params" in c.name]
   assert len(grad_names) == len(jax.tree.leaves(params)) == 5, grad_names
   assert "gradient w.r.t. params.down.weight" in grad_names, grad_names
@@ -200,7 +200,7 @@ def test_equinox_closed_over_module_is_differentiated(impl):
       return cases.tree_sum(jnp.sin(out))
     return f
 
-  got = eqx.filter_grad(loss(pallas_loop.iterate, IMPLS[impl]))(cell)
+  got = eqx.filter_grad(loss(pallas_loop.iterate, {"options": IMPLS[impl]}))(cell)
   want = eqx.filter_grad(loss(reference.iterate, {}))(cell)
   oracle.assert_trees_close(got, want, what="gradient w.r.t. a closed-over module")
   assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(got))
@@ -221,10 +221,10 @@ def test_closed_over_array_is_differentiated(impl):
     step = lambda p, h, x_: jnp.tanh(h @ w + x_)
     return cases.tree_sum(jnp.sin(run(step, None, h0, x, iters=n, max_iters=MAX_ITERS, **kw)))
 
-  got = jax.grad(lambda w: loss(pallas_loop.iterate, IMPLS[impl], w))(w)
+  got = jax.grad(lambda w: loss(pallas_loop.iterate, {"options": IMPLS[impl]}, w))(w)
   want = jax.grad(lambda w: loss(reference.iterate, {}, w))(w)
   oracle.assert_trees_close(got, want, what="gradient w.r.t. a closed-over array")
   as_params = jax.grad(lambda w: cases.tree_sum(jnp.sin(pallas_loop.iterate(
       lambda p, h, x_: jnp.tanh(h @ p + x_), w, h0, x, iters=n, max_iters=MAX_ITERS,
-      **IMPLS[impl]))))(w)
+      options=IMPLS[impl]))))(w)
   np.testing.assert_allclose(got, as_params, rtol=1e-6, atol=1e-6)

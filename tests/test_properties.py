@@ -43,10 +43,10 @@ def _check(p):
   kw = dict(iters=jnp.asarray(p["counts"]), max_iters=p["max_iters"])
   if p["dtype"] == jnp.float32 and p["tol"] is not None:
     kw["tol"] = p["tol"]
+  options = cases.IMPLEMENTATIONS[p["impl"]].replace(block_rows=p["block_rows"],
+                                                     sort_rows=p["sort_rows"])
   with pallas_loop.testing.poisoned_padding():
-    got, info = pallas_loop.iterate(step, params, h0, x, block_rows=p["block_rows"],
-                                    sort_rows=p["sort_rows"], return_info=True,
-                                    **kw, **cases.IMPLEMENTATIONS[p["impl"]])
+    got, info = pallas_loop.iterate(step, params, h0, x, return_info=True, **kw, options=options)
   want, want_f32 = oracle.reference_pair(step, params, h0, x, **kw)
   oracle.assert_trees_close(got, want, want_f32)
   ref_info = reference.iterate(step, params, h0, x, return_info=True, **kw)[1]

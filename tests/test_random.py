@@ -594,7 +594,7 @@ def test_shared_key_draws_over_rows_are_refused(step, params, h0_value):
   for implementation in ("xla", "pallas"):
     with pytest.raises(ValueError, match=_SHARED_KEY_MESSAGE):
       pallas_loop.iterate(step, params, h0, jnp.ones((16, 8)), max_iters=3,
-                          implementation=implementation)
+                          options=pallas_loop.Options(implementation=implementation))
 
 
 def test_flax_dropout_with_a_module_rng_is_refused():

@@ -60,7 +60,7 @@ def test_default_schedule_is_the_grid():
   assert schedule.resolve("interpret", "persistent") == "persistent"
   with pytest.raises(ValueError, match="schedule"):
     pallas_loop.iterate(lambda p, h, x: h, None, jnp.ones((2, 2)), max_iters=1,
-                        schedule="round_robin")
+                        options=pallas_loop.Options(schedule="round_robin"))
 
 
 def test_slot_rows():
@@ -105,9 +105,11 @@ def _problem(dtype=jnp.float32):
 @pytest.mark.parametrize("sort_rows", [True, False])
 def test_forward_matches_reference(three_programs, sched, sort_rows):
   step, params, h0, x, n = _problem()
-  run = functools.partial(pallas_loop.iterate, implementation="pallas", interpret=True,
-                          block_rows=BLOCK_ROWS, schedule=sched, sort_rows=sort_rows,
-                          iters=n, max_iters=MAX_ITERS, return_info=True)
+  run = functools.partial(pallas_loop.iterate,
+                          iters=n, max_iters=MAX_ITERS, return_info=True,
+                          options=pallas_loop.Options(implementation="pallas", interpret=True,
+                                                      block_rows=BLOCK_ROWS, schedule=sched,
+                                                      sort_rows=sort_rows))
   tiles = -(-BATCH // BLOCK_ROWS)
   assert _grids(lambda p: run(step, p, h0, x), params) == [
       ("iterate_fwd", (PROGRAMS if sched == "persistent" else tiles,))]
@@ -119,8 +121,9 @@ def test_forward_matches_reference(three_programs, sched, sort_rows):
 
 def test_gradients_match_reference(three_programs):
   step, params, h0, x, n = _problem()
-  run = functools.partial(pallas_loop.iterate, implementation="pallas", interpret=True,
-                          block_rows=BLOCK_ROWS, schedule="persistent")
+  run = functools.partial(pallas_loop.iterate,
+                          options=pallas_loop.Options(implementation="pallas", interpret=True,
+                                                      block_rows=BLOCK_ROWS, schedule="persistent"))
 
   def loss(iterate, p, h, x_):
     return jnp.sum(jnp.tanh(iterate(step, p, h, x_, iters=n, max_iters=MAX_ITERS)))
@@ -140,8 +143,9 @@ def test_persistent_kernel_lowers_for_the_gpu():
   n = jnp.arange(256, dtype=jnp.int32) % 17
 
   def loss(p, h, x_):
-    out = pallas_loop.iterate(step, p, h, x_, iters=n, max_iters=16, implementation="pallas",
-                              interpret=False, schedule="persistent")
+    out = pallas_loop.iterate(step, p, h, x_, iters=n, max_iters=16,
+                              options=pallas_loop.Options(implementation="pallas", interpret=False,
+                                                          schedule="persistent"))
     return jnp.sum(out.astype(jnp.float32))
 
   text = lowering.export_text(jax.grad(loss, argnums=(0, 1, 2)), params, h0, x,

@@ -58,7 +58,8 @@ def test_kernel_lowers_per_shard_for_gpu_and_tpu(platform):
   n = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
   step = lambda p, h, x: jnp.tanh(h @ p)
   run = lambda p, h, n_: pallas_loop.iterate(step, p, h, iters=n_, max_iters=8,
-                                             implementation="pallas", interpret=False)
+                                             options=pallas_loop.Options(implementation="pallas",
+                                                                         interpret=False))
   grads = jax.grad(lambda p, h, n_: jnp.sum(run(p, h, n_)), argnums=(0, 1))
   for fn in (run, grads):
     with jax.sharding.use_abstract_mesh(mesh):

@@ -136,8 +136,8 @@ def _assert_close(got, want, what, rtol=None):
                                err_msg=f"{what} leaf {i}")
 
 
-IMPLS = {"xla": dict(implementation="xla"), "pallas": cases.IMPLEMENTATIONS["pallas"],
-         "auto": dict(implementation=None)}
+IMPLS = {"xla": pallas_loop.Options(implementation="xla"),
+         "pallas": cases.IMPLEMENTATIONS["pallas"], "auto": pallas_loop.Options()}
 MODES = ("full", "truncated", "phantom", "implicit")
 
 
@@ -154,7 +154,7 @@ def _kinds():
 def test_state_leaf_dtypes_in_every_gradient_mode(kind, mode_name, impl, jit):
   w, h0, x = _inputs(kind)
   mode, kw, oracle_loss = _case(mode_name)
-  loss = _loss(functools.partial(pallas_loop.iterate, grad=mode, **IMPLS[impl]), **kw)
+  loss = _loss(functools.partial(pallas_loop.iterate, grad=mode, options=IMPLS[impl]), **kw)
   grad = jax.grad(loss, argnums=(0, 1, 2), allow_int=True)
   if jit:
     grad = jax.jit(grad)
@@ -178,7 +178,7 @@ def test_state_leaf_dtypes_in_every_gradient_mode(kind, mode_name, impl, jit):
   else:
     _assert_close(floats(g_h0), floats(want_h0), "g_h0", rtol)
   # The forward agrees too (the integer leaves exactly).
-  out = pallas_loop.iterate(_step, w, h0, x, grad=mode, **kw, **IMPLS[impl])
+  out = pallas_loop.iterate(_step, w, h0, x, grad=mode, **kw, options=IMPLS[impl])
   ref = reference.iterate(_step, w, h0, x, **kw)
   for name, dtype in STATES[kind].items():
     if not jnp.issubdtype(dtype, jnp.floating):

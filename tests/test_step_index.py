@@ -22,8 +22,8 @@ from tests import cases
 from tests import oracle
 
 B, D, T = 12, 16, 6
-IMPLS = {"xla": dict(implementation="xla"), "pallas": cases.IMPLEMENTATIONS["pallas"],
-         "auto": dict(implementation=None)}
+IMPLS = {"xla": pallas_loop.Options(implementation="xla"),
+         "pallas": cases.IMPLEMENTATIONS["pallas"], "auto": pallas_loop.Options()}
 
 
 def _untied(params, h, x, *, index):
@@ -57,12 +57,36 @@ def _row_loop(params, h0, x, first, last):
   return jnp.concatenate(rows)
 
 
+def _lift_tpu_rules(request, impl):
+  """The untied backward is declined by every compiled backend (the VJP of
+  `w[index]` is a `dynamic_update_slice`), and so by interpret mode
+  (`test_interpret_mode_declines_the_untied_backward_as_the_tpu_does`); its
+  kernel logic is checked here with the TPU's rules lifted."""
+  if impl == "pallas":
+    request.getfixturevalue("tpu_step_rules_lifted")
+
+
+def test_interpret_mode_declines_the_untied_backward_as_the_tpu_does():
+  params, h0, x = _inputs()
+  run = functools.partial(pallas_loop.iterate, iters=3, max_iters=T, options=IMPLS["pallas"])
+  oracle.assert_trees_close(
+      run(_untied, params, h0, x, step_index=True),
+      reference.iterate(_untied, params, h0, x, iters=3, max_iters=T, step_index=True))
+  with pytest.raises(ValueError, match=r"the Pallas mosaic_tpu backward kernel cannot run this "
+                     r"step: step uses the primitive `dynamic_slice`"):
+    jax.grad(_loss(run), argnums=(0, 1, 2))(params, h0, x)
+  with pytest.raises(ValueError, match=r"the Pallas triton backward kernel cannot run this step"):
+    gpu = IMPLS["pallas"].replace(interpret="gpu")
+    jax.grad(_loss(functools.partial(run, options=gpu)), argnums=(0, 1, 2))(params, h0, x)
+
+
 @pytest.mark.parametrize("impl", tuple(IMPLS))
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_forward_and_full_gradient_match_the_oracle(impl, jit):
+def test_forward_and_full_gradient_match_the_oracle(request, impl, jit):
+  _lift_tpu_rules(request, impl)
   params, h0, x = _inputs()
   n = cases.counts("ragged", B, T, seed=1)
-  run = functools.partial(pallas_loop.iterate, iters=n, max_iters=T, **IMPLS[impl])
+  run = functools.partial(pallas_loop.iterate, iters=n, max_iters=T, options=IMPLS[impl])
   got = run(_untied, params, h0, x, step_index=True)
   want = reference.iterate(_untied, params, h0, x, iters=n, max_iters=T, step_index=True)
   oracle.assert_trees_close(got, want)
@@ -78,15 +102,17 @@ def test_forward_and_full_gradient_match_the_oracle(impl, jit):
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("mode", ["truncated", "phantom"])
-def test_last_steps_windows_see_each_steps_own_index(impl, mode):
+def test_last_steps_windows_see_each_steps_own_index(request, impl, mode):
   """Truncated(k) / Phantom(k): rows' windows start at different steps; each
   step still gets its own index (the windows run on one clock)."""
+  _lift_tpu_rules(request, impl)
   params, h0, x = _inputs(seed=2)
   n = cases.counts("ragged", B, T, seed=3)
   k = 2
   got = jax.grad(_loss(functools.partial(
-      pallas_loop.iterate, iters=n, max_iters=T, **IMPLS[impl],
-      grad=pallas_loop.Truncated(k) if mode == "truncated" else pallas_loop.Phantom(k))),
+      pallas_loop.iterate, iters=n, max_iters=T,
+      grad=pallas_loop.Truncated(k) if mode == "truncated" else pallas_loop.Phantom(k),
+      options=IMPLS[impl])),
       argnums=(0, 1, 2))(params, h0, x)
   steps = np.asarray(n)
   first = steps - np.minimum(steps, k)
@@ -122,7 +148,7 @@ def test_implicit_differentiates_each_rows_last_map(impl):
   def loss(run, **extra):
     return lambda w, x: jnp.sum(jnp.sin(run(damped, w, h0, x, **kw, **extra)))
 
-  got = jax.grad(loss(pallas_loop.iterate, grad=pallas_loop.Implicit(), **IMPLS[impl]),
+  got = jax.grad(loss(pallas_loop.iterate, grad=pallas_loop.Implicit(), options=IMPLS[impl]),
                  argnums=(0, 1))(w, x)
   want = jax.grad(loss(reference.iterate), argnums=(0, 1))(w, x)
   for g_, w_ in zip(got, want):
@@ -141,11 +167,13 @@ def test_with_key_and_per_example(impl):
   n = cases.counts("ragged", B, T, seed=6)
   kw = dict(iters=n, max_iters=T, key=jax.random.key(9), step_index=True)
   want = reference.iterate(noisy, params, h0, x, **kw)
-  oracle.assert_trees_close(pallas_loop.iterate(noisy, params, h0, x, **kw, **IMPLS[impl]), want)
+  oracle.assert_trees_close(pallas_loop.iterate(noisy, params, h0, x, **kw,
+                                                options=IMPLS[impl]), want)
   one_row = lambda params, h, x, *, key, index: noisy(params, h[None], x[None], key=key[None],
                                                       index=index)[0]
   oracle.assert_trees_close(
-      pallas_loop.iterate(one_row, params, h0, x, per_example=True, **kw, **IMPLS[impl]), want)
+      pallas_loop.iterate(one_row, params, h0, x, per_example=True, **kw,
+                          options=IMPLS[impl]), want)
 
 
 def test_step_index_errors():
@@ -166,7 +194,8 @@ def test_the_kernel_reads_one_steps_weights_per_step():
   step, params, h0, x = blocks.make("untied_rnn", 64, 32, jnp.bfloat16)
   n = jnp.arange(64, dtype=jnp.int32) % (blocks.UNTIED_LAYERS + 1)
   run = lambda p: pallas_loop.iterate(step, p, h0, x, iters=n, max_iters=blocks.UNTIED_LAYERS,
-                                      step_index=True, implementation="pallas")
+                                      step_index=True,
+                                      options=pallas_loop.Options(implementation="pallas"))
   oracle.assert_trees_close(run(params), *oracle.reference_pair(
       step, params, h0, x, iters=n, max_iters=blocks.UNTIED_LAYERS, step_index=True))
 

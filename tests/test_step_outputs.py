@@ -31,9 +31,9 @@ B, D, T = 12, 8, 6
 # Implementations under test: the kernels with tiles of 8 rows (12 rows: one
 # whole tile and one padded one) and NaN in the padding rows.
 IMPLS = {
-    "xla": dict(implementation="xla"),
-    "pallas": dict(cases.IMPLEMENTATIONS["pallas"], block_rows=8),
-    "pallas_tpu_interpret": dict(cases.IMPLEMENTATIONS["pallas_tpu_interpret"], block_rows=8),
+    "xla": pallas_loop.Options(implementation="xla"),
+    "pallas": cases.IMPLEMENTATIONS["pallas"].replace(block_rows=8),
+    "pallas_tpu_interpret": cases.IMPLEMENTATIONS["pallas_tpu_interpret"].replace(block_rows=8),
 }
 
 
@@ -77,7 +77,8 @@ def test_forward_matches_the_oracle_and_a_row_loop(pattern, halting, impl):
   n = cases.counts(pattern, B, T, seed=1)
   kw = dict(iters=n, max_iters=T, step_outputs=True, tol=0.05 if halting else None)
   with _padding(impl):
-    (h, ys, info) = pallas_loop.iterate(_step, w, h0, x, return_info=True, **kw, **IMPLS[impl])
+    (h, ys, info) = pallas_loop.iterate(_step, w, h0, x, return_info=True, **kw,
+                                        options=IMPLS[impl])
   (h_r, ys_r, info_r) = reference.iterate(_step, w, h0, x, return_info=True, **kw)
   oracle.assert_trees_close(h, h_r)
   oracle.assert_trees_close(ys, ys_r)
@@ -105,7 +106,7 @@ def test_gradients_through_the_outputs(mode, jit, impl):
   w, h0, x = _inputs(seed=2)
   n = cases.counts("ragged", B, T, seed=3)
   grad_mode = "full" if mode == "full" else pallas_loop.Truncated(2)
-  grad = jax.grad(_loss(functools.partial(pallas_loop.iterate, grad=grad_mode, **IMPLS[impl]),
+  grad = jax.grad(_loss(functools.partial(pallas_loop.iterate, grad=grad_mode, options=IMPLS[impl]),
                         n), argnums=(0, 1, 2))
   if jit:
     grad = jax.jit(grad)
@@ -126,7 +127,7 @@ def test_kernel_gradients_over_count_patterns_and_halting(pattern, mode):
   w, h0, x = _inputs(seed=6)
   n = cases.counts(pattern, B, T, seed=7)
   grad_mode = pallas_loop.Full(checkpoint_every=4) if mode == "full" else pallas_loop.Truncated(3)
-  run = functools.partial(pallas_loop.iterate, grad=grad_mode, tol=0.05, **IMPLS["pallas"])
+  run = functools.partial(pallas_loop.iterate, grad=grad_mode, tol=0.05, options=IMPLS["pallas"])
   ref = functools.partial(reference.iterate, tol=0.05,
                           **({} if mode == "full" else {"truncate": 3}))
   with _padding("pallas"):
@@ -139,7 +140,7 @@ def test_kernels_on_tpu_semantics():
   """Mosaic's interpret mode (TPU semantics): forward outputs and gradients."""
   w, h0, x = _inputs(seed=8)
   n = cases.counts("ragged", B, T, seed=9)
-  run = functools.partial(pallas_loop.iterate, **IMPLS["pallas_tpu_interpret"])
+  run = functools.partial(pallas_loop.iterate, options=IMPLS["pallas_tpu_interpret"])
   kw = dict(iters=n, max_iters=T, step_outputs=True)
   with _padding("pallas_tpu_interpret"):
     got = run(_step, w, h0, x, **kw)
@@ -164,21 +165,23 @@ def test_with_key_index_and_per_example(impl):
   kw = dict(iters=n, max_iters=T, key=jax.random.key(1), step_index=True, step_outputs=True,
             per_example=True)
   with _padding(impl):
-    got = pallas_loop.iterate(one_row, w, h0, x, **kw, **IMPLS[impl])
+    got = pallas_loop.iterate(one_row, w, h0, x, **kw, options=IMPLS[impl])
   oracle.assert_trees_close(got, reference.iterate(one_row, w, h0, x, **kw))
 
 
 @pytest.mark.parametrize("mode", ["full", "truncated"])
 def test_kernel_gradients_with_the_step_index(mode):
-  """Untied per-step weights (`params[index]`) with per-step outputs: the
-  backward kernel's windows run on one clock and read each step's output
-  cotangent at that step's slot."""
+  """A step that depends on its index, with per-step outputs: the backward
+  kernel's windows run on one clock and read each step's output cotangent at
+  that step's slot. (The weights are scaled by the index rather than indexed
+  by it: the TPU's backward kernel declines `params[index]`'s gradient, a
+  dynamic_update_slice, and interpret mode applies its rules.)"""
   def step(w, h, x, *, index):
-    h_new = jnp.tanh(h @ w[index] + x)
+    h_new = jnp.tanh(h @ (w * (1.0 + 0.05 * index.astype(w.dtype))) + x)
     return h_new, {"pred": jnp.sum(h_new, axis=-1), "first": h_new[:, :2]}
 
   k = jax.random.split(jax.random.key(10), 3)
-  w = 0.6 * jax.random.normal(k[0], (T, D, D)) / np.sqrt(D)
+  w = 0.6 * jax.random.normal(k[0], (D, D)) / np.sqrt(D)
   h0, x = jax.random.normal(k[1], (B, D)), jax.random.normal(k[2], (B, D))
   n = cases.counts("ragged", B, T, seed=11)
   grad_mode, extra = ("full", {}) if mode == "full" else (pallas_loop.Truncated(2),
@@ -190,7 +193,8 @@ def test_kernel_gradients_with_the_step_index(mode):
     return jnp.sum(h ** 2) + jnp.sum(jnp.cos(ys["pred"])) + jnp.sum(ys["first"] ** 2)
 
   with _padding("pallas"):
-    got = jax.grad(lambda w_: f(pallas_loop.iterate, w_, grad=grad_mode, **IMPLS["pallas"]))(w)
+    got = jax.grad(lambda w_: f(pallas_loop.iterate, w_, grad=grad_mode,
+                                options=IMPLS["pallas"]))(w)
   want = jax.grad(lambda w_: f(reference.iterate, w_, **extra))(w)
   oracle.assert_trees_close(got, want, what="gradient")
 
@@ -250,7 +254,7 @@ def test_kernel_outputs_under_vmap():
     h, ys = jax.vmap(lambda h_: run(_step, w_, h_, x, **kw))(hs)
     return jnp.sum(h ** 2) + jnp.sum(jnp.cos(ys["pred"])) + jnp.sum(ys["p"])
 
-  run = functools.partial(pallas_loop.iterate, **IMPLS["pallas"])
+  run = functools.partial(pallas_loop.iterate, options=IMPLS["pallas"])
   with _padding("pallas"):
     got = jax.vmap(lambda h_: run(_step, w, h_, x, **kw))(hs)
     got_grad = jax.grad(lambda w_: total(run, w_))(w)

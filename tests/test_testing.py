@@ -29,9 +29,9 @@ def _problem(name, batch=B, dtype=jnp.float32):
 def test_good_block_passes(block, implementation):
   step, params, h0, x = _problem(block)
   testing.check_row_independence(step, params, h0, x)
+  options = pallas_loop.Options(implementation=implementation, block_rows=8)
   report = testing.check_against_reference(step, params, h0, x, iters=COUNTS,
-                                           max_iters=MAX_ITERS, block_rows=8,
-                                           implementation=implementation)
+                                           max_iters=MAX_ITERS, options=options)
   assert report.gradients_compared
   names = [c.name for c in report.comparisons]
   n_state = len(jax.tree.leaves(h0))
@@ -105,11 +105,11 @@ def test_detects_forward_difference_names_leaf_and_row(monkeypatch):
   monkeypatch.setattr(testing.iterate_lib, "iterate", _corrupt_row(1, 6, 0.5))
   with pytest.raises(AssertionError) as e:
     testing.check_against_reference(step, params, h0, x, iters=COUNTS, max_iters=MAX_ITERS,
-                                    implementation="xla", grads=False)
+                                    grads=False, options=pallas_loop.Options(implementation="xla"))
   msg = str(e.value)
   assert "output h[1] (float32[11, 8]): 1 of 11 rows differ (rows 6)" in msg, msg
   assert "max abs err 0.5" in msg and "output h[0]" not in msg, msg
-  assert "implementation='xla'" in msg
+  assert "options=Options(implementation='xla')" in msg
 
 
 def test_detects_gradient_difference(monkeypatch):
@@ -117,7 +117,7 @@ def test_detects_gradient_difference(monkeypatch):
   monkeypatch.setattr(testing.iterate_lib, "iterate", _corrupt_h0_gradient())
   with pytest.raises(AssertionError) as e:
     testing.check_against_reference(step, params, h0, x, iters=COUNTS, max_iters=MAX_ITERS,
-                                    implementation="xla")
+                                    options=pallas_loop.Options(implementation="xla"))
   msg = str(e.value)
   # Both state leaves (h, c) get the doubled cotangent at row 3; nothing else differs.
   assert re.search(r"gradient w\.r\.t\. h0\[0\] .*: 1 of 11 rows differ \(rows 3\)", msg), msg
@@ -127,19 +127,27 @@ def test_detects_gradient_difference(monkeypatch):
   assert 0.9 < rel < 1.1, msg  # doubled: off by 100%
 
 
-def test_detects_a_block_that_mixes_rows_in_the_kernel():
+def test_detects_a_block_that_mixes_rows_in_the_kernel(request):
   """A batch-mean block is rejected when iterate traces it (row_checks.py);
   a mixing that check cannot see (rows scattered to reversed positions) is
   right in the reference (whole batch), wrong on tiles, and caught here."""
   step, params, h0, x = _problem("tanh_rnn")
+  kernel = pallas_loop.Options(implementation="pallas", block_rows=8)
   mixing = lambda p, h, x_: step(p, h - jnp.mean(h, axis=0), x_)
   with pytest.raises(ValueError, match=r"^step reduces over the row axis"):
     testing.check_against_reference(mixing, params, h0, x, iters=COUNTS,
-                                    max_iters=MAX_ITERS, block_rows=8)
+                                    max_iters=MAX_ITERS, options=kernel)
   hidden = lambda p, h, x_: step(p, jnp.zeros_like(h).at[jnp.arange(h.shape[0])[::-1]].set(h), x_)
+  # The TPU's kernel does not lower its `rev` and `scatter` (nor, so, does
+  # interpret mode); the comparison must catch it where a kernel does.
+  with pytest.raises(ValueError, match=r"mosaic_tpu forward kernel cannot run this step: "
+                     r"step uses the primitive `rev`"):
+    testing.check_against_reference(hidden, params, h0, x, iters=COUNTS,
+                                    max_iters=MAX_ITERS, options=kernel)
+  request.getfixturevalue("tpu_step_rules_lifted")
   with pytest.raises(AssertionError, match=r"output h \(float32\[11, 8\]\): \d+ of 11 rows differ"):
     testing.check_against_reference(hidden, params, h0, x, iters=COUNTS,
-                                    max_iters=MAX_ITERS, block_rows=8)
+                                    max_iters=MAX_ITERS, options=kernel)
 
 
 def test_parameter_gradient_reports_element_indices(monkeypatch):
@@ -155,7 +163,7 @@ def test_parameter_gradient_reports_element_indices(monkeypatch):
       lambda s, p, *a, **kw: real(s, (bump(p[0]),) + p[1:], *a, **kw)))
   with pytest.raises(AssertionError) as e:
     testing.check_against_reference(step, params, h0, x, iters=COUNTS, max_iters=MAX_ITERS,
-                                    implementation="xla")
+                                    options=pallas_loop.Options(implementation="xla"))
   assert "gradient w.r.t. params[0] (float32[8, 8]): 1 of 64 elements differ (elements (2, 5))" \
       in str(e.value), str(e.value)
 
@@ -163,8 +171,9 @@ def test_parameter_gradient_reports_element_indices(monkeypatch):
 def test_options_are_routed_and_checked():
   step, params, h0, x = _problem("tanh_rnn")
   run = functools.partial(testing.check_against_reference, step, params, h0, x,
-                          iters=COUNTS, max_iters=MAX_ITERS, implementation="xla")
-  with pytest.raises(TypeError, match="unknown options \\['blockrows'\\]"):
+                          iters=COUNTS, max_iters=MAX_ITERS,
+                          options=pallas_loop.Options(implementation="xla"))
+  with pytest.raises(TypeError, match="unknown keywords \\['blockrows'\\]"):
     run(blockrows=8)
   with pytest.raises(TypeError, match="return_info"):
     run(return_info=True)
@@ -178,6 +187,7 @@ def test_options_are_routed_and_checked():
 
 def test_row_independence_catches_batch_mean():
   step, params, h0, x = _problem("tanh_rnn")
+  kernel = pallas_loop.Options(implementation="pallas", block_rows=8)
   mixing = lambda p, h, x_: step(p, h - jnp.mean(h, axis=0), x_)
   with pytest.raises(AssertionError) as e:
     testing.check_row_independence(mixing, params, h0, x)
@@ -241,12 +251,12 @@ def test_gradient_modes_are_compared_where_exact():
   step, params, h0, x = blocks.make("tanh_rnn", 12, 16)
   n = jnp.arange(12) % 6
   report = pallas_loop.testing.check_against_reference(
-      step, params, h0, x, iters=n, max_iters=5, implementation="xla",
-      grad=pallas_loop.Truncated(2))
+      step, params, h0, x, iters=n, max_iters=5,
+      grad=pallas_loop.Truncated(2), options=pallas_loop.Options(implementation="xla"))
   assert report.gradients_compared
   report = pallas_loop.testing.check_against_reference(
-      step, params, h0, x, iters=n, max_iters=5, implementation="xla",
-      grad=pallas_loop.Phantom(2))
+      step, params, h0, x, iters=n, max_iters=5,
+      grad=pallas_loop.Phantom(2), options=pallas_loop.Options(implementation="xla"))
   assert not report.gradients_compared
 
 
@@ -256,3 +266,75 @@ def test_key_is_passed_to_both():
   _, params, h0, x = blocks.make("tanh_rnn", 12, 16)
   pallas_loop.testing.check_against_reference(
       step, params[0], h0, x, iters=jnp.arange(12) % 6, max_iters=5, key=jax.random.key(0))
+
+
+
+# ---------------------------------------------------------------- the accelerators' rules
+
+
+def _untied(params, h, x, *, index):
+  w, b = params
+  return jnp.tanh(h @ w[index] + x + b[index])
+
+
+def _untied_inputs(batch=16, d=16, layers=4):
+  k = jax.random.split(jax.random.key(3), 4)
+  params = (0.5 * jax.random.normal(k[0], (layers, d, d)) / d ** 0.5,
+            0.1 * jax.random.normal(k[1], (layers, d)))
+  return params, jax.random.normal(k[2], (batch, d)), jax.random.normal(k[3], (batch, d))
+
+
+def test_check_against_reference_declines_what_the_tpu_declines():
+  """Untied weights: the TPU's backward kernel declines the VJP's dynamic
+  slices, so the CPU check raises the same, where it used to pass."""
+  params, h0, x = _untied_inputs()
+  kw = dict(iters=jnp.arange(16) % 4, max_iters=4, step_index=True)
+  with pytest.raises(ValueError, match=r"the Pallas mosaic_tpu backward kernel cannot run this "
+                     r"step: step uses the primitive `dynamic_slice`.*interpret='gpu'"):
+    testing.check_against_reference(_untied, params, h0, x, **kw)
+  testing.check_against_reference(_untied, params, h0, x, grads=False, **kw)
+  testing.check_against_reference(_untied, params, h0, x,
+                                  options=pallas_loop.Options(implementation="xla"), **kw)
+
+
+def test_interpret_names_its_target():
+  with pytest.raises(ValueError, match="interpret='cuda' must be None, True, False, 'tpu' or 'gpu'"):
+    pallas_loop.Options(implementation="pallas", interpret="cuda")
+
+
+def test_check_compiles_reports_what_runs_where():
+  params, h0, x = _untied_inputs(batch=256, d=128, layers=4)
+  report = testing.check_compiles(_untied, params, h0, x, max_iters=4, step_index=True,
+                                  grads=["full", pallas_loop.Truncated(2)])
+  for target, backend in (("tpu", "mosaic_tpu"), ("gpu", "triton")):
+    assert report.runs(target) == "kernel"
+    assert report.runs(target, "full", "forward") == "kernel"
+    assert report.runs(target, "full", "backward") == "XLA"
+    assert report.runs(target, "Truncated(k=2)", "backward") == "XLA"
+  lines = {(l.target, l.grad, l.kernel): l for l in report.lines}
+  backward = lines["tpu", "full", "backward"]
+  assert "`dynamic_slice`, which the Pallas mosaic_tpu lowering does not support" in backward.why
+  for line in report.lines:
+    # Which proof a line rests on depends on the compilers installed here.
+    assert line.proof in ("compiled", "exported"), str(report)
+    if line.proof == "exported":
+      assert "not compiled: " in line.detail and "pip install" in line.detail
+  assert "tpu full           backward XLA (step uses the primitive" in str(report)
+
+
+def test_check_compiles_under_pallas_reports_the_raise():
+  params, h0, x = _untied_inputs(batch=256, d=128, layers=4)
+  report = testing.check_compiles(_untied, params, h0, x, max_iters=4, step_index=True,
+                                  targets=["tpu"],
+                                  options=pallas_loop.Options(implementation="pallas"))
+  assert report.runs("tpu") == "kernel"
+  (raised,) = [l for l in report.lines if l.grad == "full"]
+  assert raised.runs == "raises" and "mosaic_tpu backward kernel cannot run" in raised.why
+
+
+def test_check_compiles_checks_its_arguments():
+  params, h0, x = _untied_inputs()
+  with pytest.raises(ValueError, match="targets"):
+    testing.check_compiles(_untied, params, h0, x, max_iters=2, targets=["cpu"])
+  with pytest.raises(TypeError, match="grads="):
+    testing.check_compiles(_untied, params, h0, x, max_iters=2, grad="full")

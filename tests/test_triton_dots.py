@@ -83,5 +83,6 @@ def test_act_per_token_with_pallas_raises_a_clear_error():
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     with pytest.raises(ValueError, match=r"Triton lowers only matrix products.*batched dot"):
-      lowering.export_text(_act(implementation="pallas", interpret=False), p, s0, x,
+      lowering.export_text(_act(options=pallas_loop.Options(implementation="pallas",
+                                                            interpret=False)), p, s0, x,
                            platform="cuda")

@@ -11,7 +11,9 @@ import pytest
 from benchmarks import blocks
 from benchmarks import cases
 from benchmarks import harness
+import pallas_loop
 from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import backend_interpret
 from pallas_loop._src import backend_mosaic_tpu
 from pallas_loop._src import backend_triton
 from pallas_loop import tuning
@@ -55,19 +57,25 @@ def _workload():
 def test_tune_block_rows_times_every_candidate():
   step, params, h0, x, n = _workload()
   result = tuning.tune_block_rows(step, params, h0, x, iters=n, max_iters=6,
-                                  candidates=(8, 16, 64), repeats=2, interpret=True)
+                                  candidates=(8, 16, 64), repeats=2,
+                                  options=pallas_loop.Options(interpret=True))
   assert set(result.seconds) == {8, 16, 64} and not result.rejected
   assert result.best == min(result.seconds, key=result.seconds.get)
   assert all(s > 0 for s in result.seconds.values())
+  # The options to run with: the caller's, with the kernel and the fastest tile.
+  assert result.options == pallas_loop.Options(implementation="pallas", interpret=True,
+                                               block_rows=result.best)
 
 
 def test_tune_block_rows_reports_rejected_candidates(monkeypatch):
   """A tile the backend's rules reject is reported with the reason."""
+  # Interpret mode (the TPU's rules: `backend_interpret.ON_TPU`) made to
+  # reject short tiles.
   strict = dataclasses.replace(
-      backend_lib.INTERPRET,
+      backend_interpret.ON_TPU,
       block_problems=lambda blocks: ["fewer than 16 rows"] if blocks[0].block_shape[0] < 16
       else [])
-  monkeypatch.setattr(backend_lib, "INTERPRET", strict)
+  monkeypatch.setattr(backend_interpret, "ON_TPU", strict)
   step, params, h0, x, n = _workload()
   result = tuning.tune_block_rows(step, params, h0, x, iters=n, max_iters=6,
                                   candidates=(8, 16), repeats=1)
@@ -79,8 +87,13 @@ def test_tune_block_rows_reports_rejected_candidates(monkeypatch):
 
 def test_tune_block_rows_bad_arguments():
   step, params, h0, x, n = _workload()
+  xla = pallas_loop.Options(implementation="xla")
   for kw, match in ((dict(candidates=()), "candidates"), (dict(candidates=(0,)), "candidates"),
-                    (dict(repeats=0), "repeats"), (dict(block_rows=8), "block_rows"),
-                    (dict(implementation="xla"), "implementation")):
+                    (dict(repeats=0), "repeats"), (dict(options=xla), "implementation")):
     with pytest.raises(ValueError, match=match):
+      tuning.tune_block_rows(step, params, h0, x, iters=n, max_iters=6, **kw)
+  # How-to-run keywords go in options=, and the error says so.
+  for kw in (dict(block_rows=8), dict(implementation="pallas"), dict(interpret=True)):
+    (name, value), = kw.items()
+    with pytest.raises(TypeError, match=rf"pass options=pallas_loop.Options\({name}="):
       tuning.tune_block_rows(step, params, h0, x, iters=n, max_iters=6, **kw)

@@ -48,7 +48,8 @@ def _counts(pattern: str, batch: int, seed: int = 0) -> jnp.ndarray:
 def _xla(step, params, h0, x, n, **kw):
   # Jitted: one compilation of the stages instead of op-by-op dispatch.
   return jax.jit(lambda p, h, x_, n_: pallas_loop.iterate(
-      step, p, h, x_, iters=n_, max_iters=T, implementation="xla", **kw))(params, h0, x, n)
+      step, p, h, x_, iters=n_, max_iters=T, **kw,
+      options=pallas_loop.Options(implementation="xla")))(params, h0, x, n)
 
 
 def _check(step, params, h0, x, n, **kw):
@@ -109,7 +110,8 @@ def test_traced_counts_under_jit_one_compilation():
   @jax.jit
   def run(n):
     traces.append(1)
-    return pallas_loop.iterate(step, params, h0, x, iters=n, max_iters=T, implementation="xla")
+    return pallas_loop.iterate(step, params, h0, x, iters=n, max_iters=T,
+                               options=pallas_loop.Options(implementation="xla"))
 
   for seed, pattern in enumerate(["uniform", "one_long_row", "zeros", "bimodal"]):
     n = _counts(pattern, 40, seed)
@@ -175,7 +177,7 @@ def test_rows_computed_matches_what_runs():
     return step(params, h, x)
 
   out = pallas_loop.iterate(logging_step, params, h0, x, iters=n, max_iters=T,
-                            implementation="xla")
+                            options=pallas_loop.Options(implementation="xla"))
   jax.block_until_ready(out)
   assert sum(seen) == harness.bucketed_rows_computed(np.asarray(n))
   assert int(n.sum()) <= sum(seen) < batch * T
@@ -209,8 +211,8 @@ def test_halting_traced_tol_under_jit():
   step, params, h0, x = _deq(60)
   n = _counts("ragged_with_zeros", 60, seed=7)
   run = jax.jit(lambda tol: pallas_loop.iterate(
-      step, params, h0, x, iters=n, max_iters=T, tol=tol, implementation="xla",
-      return_info=True))
+      step, params, h0, x, iters=n, max_iters=T, tol=tol,
+      return_info=True, options=pallas_loop.Options(implementation="xla")))
   for tol in (1e-2, 1e-3, 0.0):
     got, info = run(jnp.float32(tol))
     want, want_info = reference.iterate(step, params, h0, x, iters=n, max_iters=T,
@@ -233,8 +235,9 @@ def test_gradients_still_match():
   step, params, h0, x = blocks.make("tanh_rnn", 40, 16)
   n = _counts("ragged_with_zeros", 40, seed=8)
   loss = lambda run, p: jnp.sum(run(step, p, h0, x, iters=n, max_iters=T) ** 2)
-  got = jax.grad(lambda p: loss(
-      lambda *a, **k: pallas_loop.iterate(*a, implementation="xla", **k), p))(params)
+  xla = pallas_loop.Options(implementation="xla")
+  got = jax.grad(lambda p: loss(lambda *a, **k: pallas_loop.iterate(*a, **k, options=xla), p))(
+      params)
   want = jax.grad(lambda p: loss(reference.iterate, p))(params)
   oracle.assert_trees_close(got, want, what="grad")
 
@@ -252,15 +255,17 @@ def test_residual_computed_only_when_returned(implementation):
 
   def primitives(**kw):
     jaxpr = jax.make_jaxpr(lambda h: pallas_loop.iterate(
-        step, params, h, x, iters=n, max_iters=T, implementation=implementation,
-        interpret=True if implementation == "pallas" else None, **kw))(h0)
+        step, params, h, x, iters=n, max_iters=T, **kw,
+        options=pallas_loop.Options(implementation=implementation,
+                                    interpret=True if implementation == "pallas" else None)))(h0)
     return {e.primitive.name for e in backend_lib.iter_eqns(jaxpr.jaxpr)}
 
   assert "sqrt" not in primitives()
   assert "sqrt" in primitives(return_info=True)
   assert "sqrt" in primitives(tol=1e-3)
   run = lambda **kw: jax.jit(lambda h: pallas_loop.iterate(
-      step, params, h, x, iters=n, max_iters=T, implementation=implementation, **kw))(h0)
+      step, params, h, x, iters=n, max_iters=T, **kw,
+      options=pallas_loop.Options(implementation=implementation)))(h0)
   got, info = run(return_info=True)
   np.testing.assert_array_equal(got, run())  # the same loop, one output fewer
   want = reference.iterate(step, params, h0, x, iters=n, max_iters=T, return_info=True)[1]

@@ -75,6 +75,8 @@ class Backend:
     interpret: the `interpret=` value for `pallas_call`.
     smallest_default_rows: the default tile height is halved, down to this,
       while no configuration fits (a tile the caller chose is never changed).
+    checks: for interpret mode, the compiled backend whose step rules
+      (`step_problems`) it applies (`backend_interpret.py`); None: its own.
     plan_forward: the backend's own forward kernel: `plan_forward(backend,
       step_fn, params, consts, h0, x, block_rows, outputs=, sort_rows=,
       max_iters=)` -> a plan with `.problems`, `.config` and `.run(ops,
@@ -91,6 +93,7 @@ class Backend:
   extra_problems: Callable[[Any], list[str]] = lambda jaxpr: []
   interpret: Any = False
   smallest_default_rows: int = 16
+  checks: Backend | None = None
   plan_forward: Callable[..., Any] | None = None
 
 
@@ -155,6 +158,24 @@ def unsupported_primitive_problems(backend: Backend, jaxpr: jex_core.Jaxpr,
           "lowering does not support" for name in missing]
 
 
+def step_problems(backend: Backend, jaxpr: jex_core.Jaxpr,
+                  read_from_refs: frozenset[int] | set[int] = frozenset()) -> list[str]:
+  """Why `backend`'s kernel cannot take the step (or VJP) `jaxpr` itself,
+  whatever the tile: primitives its lowering lacks, dots or draws its
+  compiler does not take (`Backend.extra_problems`). An interpret backend
+  answers for the backend it `checks`, with that backend's messages.
+
+  Args:
+    backend: the backend planned for.
+    jaxpr: the traced step (or its VJP).
+    read_from_refs: ids of equations the kernel reads from refs
+      (`leading_slices`).
+  """
+  rules_of = backend.checks or backend
+  return (unsupported_primitive_problems(rules_of, jaxpr, read_from_refs)
+          + rules_of.extra_problems(jaxpr))
+
+
 def device_kind(platform: str) -> str | None:
   """The device kind being compiled for, when it is known while tracing.
 
@@ -212,28 +233,13 @@ def _interpret_block_rows(batch: int) -> int:
   return min(32, next_power_of_2(batch))
 
 
+# Interpret mode without a target's rules: `backend_interpret.py` makes the
+# backends `iterate` runs (the TPU's or the GPU's rules applied) from it.
 INTERPRET = Backend(
     name="interpret",
     platforms=(),
     default_block_rows=_interpret_block_rows,
     block_problems=lambda blocks: [],
-    # The step is evaluated as the Triton kernel evaluates it, so that the
-    # CPU tests cover those rewrites (Mosaic's interpret mode: plain).
-    configure=lambda fp, given: (
-        KernelConfig(fp.block_rows, eval_rules=jaxpr_eval.TRITON_INTERPRET), []),
+    configure=lambda fp, given: (KernelConfig(fp.block_rows, eval_rules=jaxpr_eval.PLAIN), []),
     interpret=True,
 )
-
-
-def interpret_backend(interpret: Any) -> Backend:
-  """The interpret backend for `interpret=True` or a `pltpu.InterpretParams`."""
-  if interpret is True:
-    return INTERPRET
-  from pallas_loop._src import backend_mosaic_tpu  # pylint: disable=g-import-not-at-top
-  # TPU semantics: the TPU's own forward kernel, interpreted.
-  return dataclasses.replace(
-      INTERPRET, name="tpu-interpret", interpret=interpret,
-      configure=lambda fp, given: (KernelConfig(fp.block_rows, eval_rules=jaxpr_eval.MOSAIC), []),
-      plan_forward=backend_mosaic_tpu.MOSAIC_TPU.plan_forward)
-
-

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from jax._src import source_info_util
+import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jex_core
 import numpy as np
@@ -81,6 +83,13 @@ FIXED_SCRATCH = 1 * MIB
 ROW_TEMPORARIES = 8
 
 
+# What libtpu took over the estimate, at most (deviceless, multi-head attention
+# at D=128, 128-row tiles: 1.19 and 1.17 for Flax's forward and backward with
+# libtpu 0.0.48.1, 1.31 for Equinox's forward with 0.0.42.1; RESULTS.md):
+# a program whose estimate times this exceeds what a kernel may ask for is
+# declined before the compiler is asked ("CompileTimeScopedVmemOom").
+MARGIN = 1.5
+
 # The smallest default tile height (`_default_block_rows`): also legal for a
 # 1-D operand, whose rows are the lane axis.
 SMALLEST_TILE = 128
@@ -111,10 +120,21 @@ def vmem_estimate(fp: footprint_lib.Footprint) -> int:
 
   Pallas double-buffers every block (the pipeline fetches the next tile's
   while this one runs), shared operands included; plus `FIXED_SCRATCH` and
-  `ROW_TEMPORARIES` float32 row values.
+  the step's values (`step_values_bytes`).
   """
   blocks = sum(padded_bytes(shape, dtype) for shape, dtype in fp.blocks)
-  return 2 * blocks + FIXED_SCRATCH + ROW_TEMPORARIES * fp.largest_row_value_bytes
+  return 2 * blocks + FIXED_SCRATCH + step_values_bytes(fp)
+
+
+def step_values_bytes(fp: footprint_lib.Footprint) -> int:
+  """VMEM for the values a program computes: `ROW_TEMPORARIES` float32 row
+  values, or where more the most its values keep alive at once, each
+  padded to VMEM's tiles (`Footprint.peak_live_bytes`). The latter is what
+  a backward of multi-head attention needs: it keeps the forward's
+  [TB, H, L, L] probabilities and [TB, L, H, K] heads, each padded 16- and
+  8-fold in their last two axes (L = 8, K = 32), until their cotangents are
+  computed."""
+  return max(ROW_TEMPORARIES * fp.largest_row_value_bytes, fp.peak_live_bytes(padded_bytes))
 
 
 def configure(fp: footprint_lib.Footprint, block_rows_given: bool
@@ -126,9 +146,9 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool
   `kernel_forward.configured` halves it); a program whose VMEM estimate (`vmem_estimate`),
   doubled, is within the TPU's default scoped limit runs as is; else the kernel asks for
   twice its estimate as its `vmem_limit_bytes`, at most 7/8 of the physical
-  VMEM (the rest stays XLA's); an estimate beyond that means no
-  configuration fits (the XLA implementation runs it, a smaller `block_rows`
-  may fit).
+  VMEM (the rest stays XLA's); an estimate whose `MARGIN` times is beyond
+  that means no configuration fits (the XLA implementation runs it, a
+  smaller `block_rows` may fit).
   """
   default, physical = vmem(backend_lib.device_kind("tpu"))
   cap = physical * 7 // 8 if physical > default else default
@@ -143,12 +163,13 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool
     # down to SMALLEST_TILE, where the rule below applies as before.
     return None, [f"the default tile of {fp.block_rows} rows needs about {need:,} B of "
                   f"VMEM, over twice the TPU's default scoped limit ({default:,} B)"]
-  if need > cap:
+  if need * MARGIN > cap:
     return None, [
         f"no kernel configuration fits the TPU's VMEM: a program needs about {need:,} B "
-        f"(its blocks double-buffered: {len(fp.blocks)} blocks of {fp.block_rows} rows "
-        f"and the shared operands), more than the {cap:,} B a kernel may ask for; a "
-        "smaller block_rows may fit, else the XLA implementation runs it"]
+        f"(its blocks double-buffered: {len(fp.blocks)} blocks of {fp.block_rows} rows, "
+        f"the shared operands and the step's values), {MARGIN}x of which is more than the "
+        f"{cap:,} B a kernel may ask for; a smaller block_rows may fit, else the XLA "
+        "implementation runs it"]
   # Twice the estimate: the estimate alone fell short of what Mosaic took
   # (RESULTS.md, "Figures behind the code's choices").
   limit = None if 2 * need <= default else min(cap, -(-2 * need // MIB) * MIB)
@@ -157,30 +178,6 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool
   return backend_lib.KernelConfig(
       block_rows=fp.block_rows, compiler_params=params, eval_rules=jaxpr_eval.MOSAIC,
       estimate={"vmem_bytes": need, "vmem_limit_bytes": limit or default}), []
-
-
-def _dot_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
-  """Dots libtpu's Mosaic (0.0.48.1) aborts on, measured deviceless: more than
-  one contracted axis, unless the dot is unbatched and the lhs contracts its
-  trailing axes and the rhs its leading ones (or both their leading axes:
-  `jaxpr_eval._merged_dot`)."""
-  problems = []
-  for eqn in backend_lib.iter_eqns(jaxpr):
-    if eqn.primitive.name != "dot_general" or jaxpr_eval.merges_leading_contractions(eqn):
-      continue
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    if len(lc) < 2:
-      continue
-    lhs_rank = len(eqn.invars[0].aval.shape)  # type: ignore[attr-defined]
-    trailing = tuple(range(lhs_rank - len(lc), lhs_rank))
-    leading = tuple(range(len(rb), len(rb) + len(rc)))
-    if lb or tuple(lc) != trailing or tuple(rc) != leading:
-      shapes = [tuple(v.aval.shape) for v in eqn.invars]  # type: ignore[attr-defined]
-      problems.append(
-          f"Mosaic TPU aborts on a dot contracting axes {tuple(lc)} x {tuple(rc)} of "
-          f"{shapes[0]} x {shapes[1]} (more than one contracted axis, not the lhs's "
-          "trailing and the rhs's leading ones); contract one axis, or reshape first")
-  return problems
 
 
 def _random_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
@@ -214,6 +211,43 @@ def _default_block_rows(batch: int) -> int:
   return min(rows, -(-batch // 16) * 16)
 
 
+def _narrow_scalar_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
+  """Scalars of 16-bit floats the kernel would compute: Mosaic makes a
+  scalar only of a 32-bit value ("Only arrays with 32-bit element types can
+  be converted to scalars", JAX 0.11.2), e.g. the gradient of a bfloat16
+  scalar parameter (a sum over every element). A scalar computed from
+  constants alone is computed while tracing (`jaxpr_eval._folds`): fine."""
+  problems: list[str] = []
+  for v in list(jaxpr.invars) + list(jaxpr.constvars):
+    dtype = getattr(v.aval, "dtype", None)
+    if (getattr(v.aval, "shape", None) == () and isinstance(dtype, np.dtype)
+        and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4):
+      problems.append(f"a shared operand is a {dtype.name} scalar, which Mosaic TPU does not "
+                      "load (it makes scalars of 32-bit values only); keep scalar parameters "
+                      "in float32")
+
+  def walk(j: jex_core.Jaxpr, constant: set) -> None:
+    for eqn in j.eqns:
+      ins = [v for v in eqn.invars if not isinstance(v, jex_core.Literal)]
+      subs = list(jex_core.jaxprs_in_params(eqn.params))  # a generator in JAX 0.10
+      for sub in subs:
+        walk(sub, set())
+      if not subs and all(v in constant for v in ins):
+        constant.update(eqn.outvars)
+        continue
+      for v in eqn.outvars:
+        dtype = getattr(v.aval, "dtype", None)
+        if (getattr(v.aval, "shape", None) == () and isinstance(dtype, np.dtype)
+            and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4):
+          where = source_info_util.summarize(eqn.source_info)
+          problems.append(f"the step computes a {dtype.name} scalar ({eqn.primitive.name} at "
+                          f"{where}), which Mosaic TPU does not lower (it makes scalars of "
+                          "32-bit values only); keep scalar parameters in float32")
+
+  walk(jaxpr, set())
+  return list(dict.fromkeys(problems))
+
+
 def _plan_forward(*args, **kwargs):
   """The TPU's own forward kernel (`kernel_tpu_groups.plan`), imported here
   when first planned: that module builds on this one's rules."""
@@ -228,7 +262,9 @@ MOSAIC_TPU = backend_lib.Backend(
     block_problems=_block_problems,
     configure=configure,
     lowering_rules=_lowering_rules,
-    extra_problems=lambda jaxpr: _dot_problems(jaxpr) + _random_problems(jaxpr),
+    # Dots with several batch or contracted axes are rewritten into forms
+    # Mosaic compiles (`jaxpr_eval._canonical_dot`, `_merged_dot`), not declined.
+    extra_problems=lambda jaxpr: _random_problems(jaxpr) + _narrow_scalar_problems(jaxpr),
     smallest_default_rows=SMALLEST_TILE,
     plan_forward=_plan_forward,
 )

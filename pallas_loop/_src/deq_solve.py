@@ -28,7 +28,8 @@ import dataclasses
 import math
 import os
 import sys
-from typing import Any, Callable, NamedTuple
+import types
+from typing import Any, Callable, NamedTuple, cast
 
 import jax
 from jax import tree_util
@@ -39,7 +40,9 @@ from pallas_loop import random as random_lib
 from pallas_loop._src import deq_solvers
 from pallas_loop._src import keywords
 from pallas_loop._src import notices
+from pallas_loop._src import options as options_lib
 from pallas_loop._src.iterate import iterate
+from pallas_loop._src.options import Options
 from pallas_loop.halting import row_rms
 
 POLICIES = ("warn", "raise", "nan", "ignore")
@@ -295,7 +298,7 @@ def _avals(tree: Any) -> Any:
 
 def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0: jax.Array,
                per_row: Any, threshold: jax.Array, solver: deq_solvers.Solver, max_iters: int,
-               run_kw: dict[str, Any], grad: Any = "full") -> tuple[jax.Array, SolveInfo]:
+               options: Options, grad: Any = "full") -> tuple[jax.Array, SolveInfo]:
   """Solves z = fmap(shared, z, per_row) per row with `iterate`.
 
   Args:
@@ -306,7 +309,7 @@ def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0
     threshold: float32 [B]: a row halts once rms(f(z) - z) <= its threshold.
     solver: the `Solver`.
     max_iters: static int >= 1, the step budget of every row.
-    run_kw: iterate's implementation options.
+    options: how iterate runs (`pallas_loop.Options`).
     grad: iterate's gradient mode (only used by `UnrolledAdjoint`).
 
   Returns:
@@ -334,18 +337,18 @@ def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0
   state0 = (z0, inf, z0, inf, solver.init(z0))
   (_, _, z, residual, _), info = iterate(step, shared, state0, (per_row, threshold),
                                          max_iters=max_iters, halt=halt, grad=grad,
-                                         return_info=True, **run_kw)
+                                         return_info=True, options=options)
   return z, SolveInfo(info.steps, jax.lax.stop_gradient(residual), info.halted)
 
 
 # Where the caller's code is: the first frame outside this package and JAX.
-_SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in
+_SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(cast(str, m.__file__))) + os.sep for m in
                    (sys.modules["pallas_loop"], jax, sys.modules.get("jaxlib", jax)))
 
 
 def _call_site() -> tuple[str, int]:
   """(file, line) of the user's call of `fixed_point` (outside this package and JAX)."""
-  frame = sys._getframe(1)  # pylint: disable=protected-access
+  frame: types.FrameType | None = sys._getframe(1)  # pylint: disable=protected-access
   while frame is not None:
     name = os.path.abspath(frame.f_code.co_filename)
     if not name.startswith(_SKIP_DIRS) and not name.startswith("<frozen"):
@@ -436,20 +439,18 @@ def fixed_point(
     on_failure: str = "warn",
     return_info: bool = False,
     adjoint_probe: SolveInfo | None = None,
-    implementation: str | None = None,
-    interpret: Any = None,
-    block_rows: int | None = None,
-    sort_rows: bool = True,
+    options: Options | None = None,
+    **kwargs: Any,
 ) -> Any:
   """Solves h = f(params, h, x) for each row, differentiably (a DEQ layer).
 
   Each row runs `solver` on the map until rms(f(h) - h) <= `tol` (then keeps
   f(h)) or `max_iters` map evaluations (then keeps f(h) at the h of smallest
   residual seen), and stops costing compute when it halts (one `iterate`
-  call: the XLA loop, or the Pallas kernel with `implementation="pallas"`).
-  The gradient is chosen by `adjoint`; by default the implicit gradient of f
-  at the fixed point, whatever solver found it. Rows that do not converge
-  are reported by `on_failure`.
+  call: the XLA loop, or the Pallas kernel with
+  `options=pallas_loop.Options(implementation="pallas")`). The gradient is
+  chosen by `adjoint`; by default the implicit gradient of f at the fixed
+  point, whatever solver found it. Rows that do not converge are reported by `on_failure`.
 
   Args:
     f: the map `f(params, h, x) -> h`, written for a tile of rows like
@@ -488,10 +489,12 @@ def fixed_point(
     adjoint_probe: None, or `deq.adjoint_probe(h0)`: differentiate the loss
       w.r.t. it too, and its gradient is the adjoint solve's statistics
       (`SolveInfo.from_probe`), under `jit`, without a host callback.
-    implementation: `iterate`'s: None (auto), "xla" or "pallas".
-    interpret: `iterate`'s Pallas interpret option.
-    block_rows: `iterate`'s rows per kernel tile.
-    sort_rows: `iterate`'s row ordering.
+    options: how to run, a `pallas_loop.Options` (None: `Options()`),
+      forwarded whole to every `iterate` call (the forward solve and the
+      adjoint's).
+    **kwargs: nothing else is taken; `implementation=`, `block_rows=` and
+      the other how-to-run keywords of earlier versions raise a TypeError
+      that shows their spelling with `options=`.
 
   Returns:
     h* with the structure, shapes and dtypes of `h0`; with
@@ -512,6 +515,8 @@ def fixed_point(
     >>> g = lambda w, h, x, key: pallas_loop.random.dropout(key, jnp.tanh(h @ w + x), 0.1)
     >>> h = deq.fixed_point(g, w, jnp.zeros((3, 2)), x, key=jax.random.key(0))
   """
+  options_lib.reject_keywords("fixed_point", kwargs)
+  options = options_lib.check_options(options)
   site = _call_site()
   solver = deq_solvers.Broyden() if solver is None else deq_solvers.as_solver(solver)
   adjoint = ImplicitAdjoint() if adjoint is None else adjoint
@@ -525,8 +530,6 @@ def fixed_point(
   batch = z0.shape[0]
   if adjoint_probe is not None:
     adjoint_probe = _check_probe(adjoint_probe, batch)
-  run_kw = dict(implementation=implementation, interpret=interpret, block_rows=block_rows,
-                sort_rows=sort_rows)
   keyed = key is not None
   # The per-row keys travel with the rows, beside x (constant across steps).
   per_row = (x, _row_keys(key, batch)) if keyed else (x, None)
@@ -547,11 +550,11 @@ def fixed_point(
   threshold = jnp.broadcast_to(jnp.asarray(tol, jnp.float32), (batch,))
   shared = (params, tuple(consts))
   if isinstance(adjoint, UnrolledAdjoint):
-    z, info = solve_rows(fmap, shared, z0, per_row, threshold, solver, max_iters, run_kw,
+    z, info = solve_rows(fmap, shared, z0, per_row, threshold, solver, max_iters, options,
                          grad="full")
   else:
     probe = adjoint_probe if adjoint_probe is not None else _unread_probe(batch)
-    z, info = _implicit(fmap, solver, max_iters, run_kw, tol, on_failure, adjoint, site)(
+    z, info = _implicit(fmap, solver, max_iters, options, tol, on_failure, adjoint, site)(
         shared, z0, per_row, threshold, probe)
   _report("forward", on_failure, _tolerance("forward", tol), max_iters, info, site)
   if on_failure == "nan":
@@ -566,13 +569,14 @@ def _unread_probe(batch: int) -> SolveInfo:
   return adjoint_probe(batch)
 
 
-def _implicit(fmap, solver, max_iters, run_kw, tol, on_failure, adjoint: ImplicitAdjoint, site):
+def _implicit(fmap, solver, max_iters, options, tol, on_failure, adjoint: ImplicitAdjoint, site):
   """The forward solve as a custom_vjp whose backward is the adjoint solve.
 
   Its last operand is the adjoint probe: the backward returns the adjoint
   solve's statistics as the probe's cotangent.
   """
-  adj_solver = solver if adjoint.solver is None else adjoint.solver
+  # ImplicitAdjoint's __post_init__ made a named solver a Solver.
+  adj_solver = solver if adjoint.solver is None else cast(deq_solvers.Solver, adjoint.solver)
   adj_tol = tol if adjoint.tol is None else adjoint.tol
   adj_iters = max_iters if adjoint.max_iters is None else adjoint.max_iters
   adj_policy = on_failure if adjoint.on_failure is None else adjoint.on_failure
@@ -580,11 +584,11 @@ def _implicit(fmap, solver, max_iters, run_kw, tol, on_failure, adjoint: Implici
   @jax.custom_vjp
   def run(shared, z0, per_row, threshold, probe):
     del probe
-    return solve_rows(fmap, shared, z0, per_row, threshold, solver, max_iters, run_kw)
+    return solve_rows(fmap, shared, z0, per_row, threshold, solver, max_iters, options)
 
   def run_fwd(shared, z0, per_row, threshold, probe):
     del probe
-    z, info = solve_rows(fmap, shared, z0, per_row, threshold, solver, max_iters, run_kw)
+    z, info = solve_rows(fmap, shared, z0, per_row, threshold, solver, max_iters, options)
     return (z, info), (shared, per_row, z, threshold)
 
   def run_bwd(saved, cotangents):
@@ -601,7 +605,7 @@ def _implicit(fmap, solver, max_iters, run_kw, tol, on_failure, adjoint: Implici
     rel = threshold if adjoint.tol is None else jnp.full_like(threshold, adjoint.tol)
     adj_threshold = rel * row_rms(g)
     u, info = solve_rows(adjoint_map, shared, g, (z_star, per_row, g), adj_threshold,
-                         adj_solver, adj_iters, run_kw)
+                         adj_solver, adj_iters, options)
     callback = adjoint.callback
     if callback is not None:
       jax.debug.callback(lambda *a: callback(SolveInfo(*a)), *info)

@@ -385,7 +385,7 @@ class Broyden(Solver):
     us = tuple(jnp.where(ok, a, b) for a, b in zip((u,) + us[:-1], us))
     vs = tuple(jnp.where(ok, a, b) for a, b in zip((v,) + vs[:-1], vs))
     count = jnp.where(ok, count + 1, jnp.maximum(count, 0))
-    hs = [jax.lax.stop_gradient(t) for t in us], [jax.lax.stop_gradient(t) for t in vs]
+    hs = tuple(jax.lax.stop_gradient(t) for t in us), tuple(jax.lax.stop_gradient(t) for t in vs)
     z_next = z - self._apply(*hs, g)
     z_next = jnp.where(jnp.isfinite(jnp.sum(z_next, axis=-1, keepdims=True)), z_next, fz)
     return z_next, (us, vs, z, g, count)

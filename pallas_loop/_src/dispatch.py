@@ -6,9 +6,9 @@ a CPU machine must be able to export the GPU and TPU kernels. So the choice is
 a `lax.platform_dependent` whose branches are all traced but of which only the
 target platform's branch is lowered. A branch whose backend rules fail must
 not raise while tracing (it would break lowering for the other platforms), so
-it returns a placeholder primitive that raises (`implementation="pallas"`) or
-warns once and falls back to XLA (`implementation=None`) when, and only when,
-it is lowered.
+it returns a placeholder primitive that raises (`Options(implementation=
+"pallas")`) or warns once and falls back to XLA (`implementation=None`, the
+default) when, and only when, it is lowered.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from jax.interpreters import batching
 from jax.interpreters import mlir
 
 from pallas_loop._src import backend as backend_lib
+from pallas_loop._src import backend_interpret
 from pallas_loop._src import backend_mosaic_tpu
 from pallas_loop._src import backend_triton
 from pallas_loop._src import jaxpr_eval
@@ -34,7 +35,8 @@ from pallas_loop._src import notices
 from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src import xla_backward
 from pallas_loop._src import xla_forward
-from pallas_loop._src.operands import Gradients, LoopOperands, LoopOutputs, Tiling
+from pallas_loop._src.operands import Gradients, LoopOperands, LoopOutputs
+from pallas_loop._src.options import Options
 from pallas_loop._src.operands import WindowOperands
 
 # --- A placeholder that raises when lowered --------------------------------
@@ -108,7 +110,8 @@ def observe_plans() -> Iterator[list[tuple[str, str, Any]]]:
   Example:
     >>> import jax.numpy as jnp, pallas_loop
     >>> f = lambda h: pallas_loop.iterate(lambda p, h, x: h * 0.5, None, h, max_iters=2,
-    ...                                   implementation="pallas", interpret=True)
+    ...                                   options=pallas_loop.Options(
+    ...                                       implementation="pallas", interpret=True))
     >>> with observe_plans() as seen:
     ...   _ = jax.jit(f).lower(jnp.ones((16, 8)))
     >>> [(what, name) for what, name, _ in seen]
@@ -128,17 +131,25 @@ def observe_plans() -> Iterator[list[tuple[str, str, Any]]]:
 def _problem_message(what: str, backend: backend_lib.Backend, problems: Sequence[str],
                      fallback: bool) -> str:
   listed = "; ".join(problems)
+  # Interpret mode declines in the name of the backend whose rules it applies.
+  name = (backend.checks or backend).name
   if fallback:
-    return (f"pallas_loop.iterate: the Pallas {backend.name} {what} kernel cannot "
+    return (f"pallas_loop.iterate: the Pallas {name} {what} kernel cannot "
             f"run this step ({listed}); using the XLA implementation. Pass "
-            "implementation='xla' to silence this warning.")
-  return (f"pallas_loop.iterate(implementation='pallas'): the Pallas "
-          f"{backend.name} {what} kernel cannot run this step: {listed}. Fix the "
-          "shapes as described, or use implementation='xla'.")
+            "options=pallas_loop.Options(implementation='xla') to silence this warning.")
+  message = (f"pallas_loop.iterate(options=Options(implementation='pallas')): the Pallas "
+             f"{name} {what} kernel cannot run this step: {listed}. Fix the "
+             "shapes as described, or use options=pallas_loop.Options(implementation='xla').")
+  if backend.checks is not None:
+    other = "gpu" if backend.checks.platforms == ("tpu",) else "tpu"
+    message += (f" (Interpret mode applies the {name} kernel's rules, so that the CPU "
+                f"declines what the accelerator would; interpret='{other}' applies the "
+                f"{backend_interpret.TARGETS[other].name} kernel's.)")
+  return message
 
 
 def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[..., Any],
-                  run_xla: Callable[[Any], Any], tiling: Tiling) -> Callable[[Any], Any]:
+                  run_xla: Callable[[Any], Any], options: Options) -> Callable[[Any], Any]:
   """`f(ops)`: the kernel on the lowering platform's backend, or XLA.
 
   Args:
@@ -147,9 +158,9 @@ def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[...,
       `backend.KernelConfig` or None).
     run_kernel: run_kernel(plan, ops) -> outputs.
     run_xla: run_xla(ops) -> outputs (the same avals).
-    tiling: the caller's options (see `iterate`).
+    options: the caller's `Options`.
   """
-  implementation, interpret = tiling.implementation, tiling.interpret
+  implementation, interpret = options.implementation, options.interpret
   # Every branch that falls back to XLA (and the default branch) calls this
   # one jitted function at the same avals, so JAX traces the XLA loop once
   # and reuses its jaxpr instead of tracing it again per platform.
@@ -168,8 +179,9 @@ def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[...,
       else:
         message = (f"pallas_loop.iterate: the Pallas {backend.name} {what} kernel is "
                    f"expected to be slower than the XLA implementation here ({slower}); "
-                   "using the XLA implementation. Pass implementation='pallas' to run "
-                   "the kernel anyway, or implementation='xla' to silence this warning.")
+                   "using the XLA implementation. Pass options=pallas_loop.Options("
+                   "implementation='pallas') to run the kernel anyway, or "
+                   "Options(implementation='xla') to silence this warning.")
       if not backend.platforms:  # interpret mode runs everywhere: fail now
         raise ValueError(message)
       if fallback:
@@ -179,17 +191,18 @@ def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[...,
 
   def no_compiled_backend(ops: Any) -> Any:
     return raise_when_lowered(
-        "pallas_loop.iterate(implementation='pallas', interpret=False) needs a "
+        "pallas_loop.Options(implementation='pallas', interpret=False) needs a "
         "GPU (Triton) or TPU (Mosaic) platform; on this platform pass "
         "interpret=True (or leave interpret=None).", run_xla, ops)
 
   if implementation == "xla":
     return run_xla
   if interpret is not None and interpret is not False:
-    return on(backend_lib.interpret_backend(interpret), fallback=False)
+    return on(backend_interpret.for_option(interpret), fallback=False)
   strict = implementation == "pallas"
   if strict:
-    default = on(backend_lib.INTERPRET, fallback=False) if interpret is None else no_compiled_backend
+    default = (on(backend_interpret.for_option(None), fallback=False) if interpret is None
+               else no_compiled_backend)
   else:
     default = run_xla
   triton = on(backend_triton.TRITON, fallback=not strict)
@@ -202,7 +215,7 @@ def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[...,
   return select
 
 
-def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *, max_iters: int,
+def forward_fn(step_fn: step_fn_lib.StepFn, options: Options, *, max_iters: int,
                residual: bool = True, outputs: Any = None
                ) -> Callable[[LoopOperands], LoopOutputs]:
   """The forward, LoopOperands -> LoopOutputs, on the lowering platform's
@@ -210,7 +223,7 @@ def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *, max_iters: int,
 
   Args:
     step_fn: the body (step, then the halt criterion).
-    tiling: the caller's implementation and tiling options.
+    options: the caller's `Options` (implementation, tiling, tanh).
     max_iters: the counts' static bound.
     residual: track each row's last residual (False when the caller does not
       ask for it: saves a reduction per step; the residual output is then 0).
@@ -224,30 +237,30 @@ def forward_fn(step_fn: step_fn_lib.StepFn, tiling: Tiling, *, max_iters: int,
   def plan(backend: backend_lib.Backend, ops: LoopOperands) -> Any:
     if backend.plan_forward is None:
       p = kernel_forward.plan(backend, step_fn, ops.params, ops.consts, ops.h0, ops.x,
-                              tiling.block_rows, outputs=outputs)
+                              options.block_rows, outputs=outputs)
     else:  # the backend's own kernel
       p = backend.plan_forward(backend, step_fn, ops.params, ops.consts, ops.h0, ops.x,
-                               tiling.block_rows, outputs=outputs, sort_rows=tiling.sort_rows,
+                               options.block_rows, outputs=outputs, sort_rows=options.sort_rows,
                                max_iters=max_iters)
-    return _with_tanh(p, ops.h0, tiling)
+    return _with_tanh(p, ops.h0, options)
 
   def run_kernel(p: Any, ops: LoopOperands) -> LoopOutputs:
-    return p.run(ops, sort_rows=tiling.sort_rows, residual=residual, schedule=tiling.schedule)
+    return p.run(ops, sort_rows=options.sort_rows, residual=residual, schedule=options.schedule)
 
-  return _per_platform("forward", plan, run_kernel, run_xla, tiling)
+  return _per_platform("forward", plan, run_kernel, run_xla, options)
 
 
-def _with_tanh(p: Any, h: Any, tiling: Tiling) -> Any:
+def _with_tanh(p: Any, h: Any, options: Options) -> Any:
   """A kernel plan whose step evaluation computes tanh as this call asks
-  (`iterate(approx_tanh=...)`, `jaxpr_eval.for_state`)."""
+  (`Options.approx_tanh`, `jaxpr_eval.for_state`)."""
   if p.config is None:
     return p
-  rules = jaxpr_eval.for_state(p.config.eval_rules, h, tiling.approx_tanh)
+  rules = jaxpr_eval.for_state(p.config.eval_rules, h, options.approx_tanh)
   return dataclasses.replace(p, config=dataclasses.replace(p.config, eval_rules=rules))
 
 
 def window_fn(step_fn: step_fn_lib.StepFn,
-              tiling: Tiling) -> Callable[[WindowOperands, int, int | None], Any]:
+              options: Options) -> Callable[[WindowOperands, int, int | None], Any]:
   """The window VJP `w(ops, bound, every) -> (g_params, g_consts, g_h_start,
   g_x)`: the fused backward kernel (`kernel_backward.py`) where the forward
   kernel would run, else XLA (`xla_backward.py`). `bound` (the static bound
@@ -261,13 +274,13 @@ def window_fn(step_fn: step_fn_lib.StepFn,
     def plan(backend: backend_lib.Backend, ops: WindowOperands) -> kernel_backward.WindowPlan:
       return _with_tanh(kernel_backward.plan(
           backend, step_fn, ops.params, ops.consts, ops.h_start, ops.x,
-          block_rows=tiling.block_rows, bound=bound, every=every,
+          block_rows=options.block_rows, bound=bound, every=every,
           outputs=None if ops.g_ys is None else step_fn_lib.avals(ops.g_ys)),
-                        ops.h_start, tiling)
+                        ops.h_start, options)
 
     def run_kernel(p: kernel_backward.WindowPlan, ops: WindowOperands) -> Gradients:
-      return kernel_backward.run(p, ops, sort_rows=tiling.sort_rows, schedule=tiling.schedule)
+      return kernel_backward.run(p, ops, sort_rows=options.sort_rows, schedule=options.schedule)
 
-    return _per_platform("backward", plan, run_kernel, run_xla, tiling)(ops)
+    return _per_platform("backward", plan, run_kernel, run_xla, options)(ops)
 
   return window

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 from jax.extend import core as jex_core
@@ -94,6 +94,10 @@ class Footprint:
       and writes per row).
     blocks: (shape, dtype name) of every block one program reads or writes:
       for backends that lay blocks out in padded tiles (Mosaic's VMEM).
+    values: (shape, dtype name, first, last) of every array the program
+      computes (each equation's outputs, in the traced jaxprs and the
+      bodies they call): alive from position `first` to `last` of the
+      program in order (`peak_live_bytes`).
   """
 
   batch: int
@@ -104,6 +108,7 @@ class Footprint:
   block_bytes: int
   row_bytes: int
   blocks: tuple[tuple[tuple[int, ...], str], ...] = ()
+  values: tuple[tuple[tuple[int, ...], str, int, int], ...] = ()
 
   @property
   def tiles(self) -> int:
@@ -142,6 +147,34 @@ class Footprint:
     """The largest output of a dot that sums over the tile's rows (a weight
     gradient in the backward kernel), as a float32 accumulator; 0 if none."""
     return max((d.accumulator_bytes for d in self.dots if d.contracts_rows), default=0)
+
+  def peak_live_bytes(self, size: Callable[[tuple[int, ...], str], int]) -> int:
+    """The most bytes of computed values alive at once, each `size(shape,
+    dtype)` bytes (a backend's layout: Mosaic pads to (8, 128) tiles).
+
+    A value is alive from the equation that computes it to the last one
+    that reads it (to the end for an output). Straight-line code keeps
+    them all (a VJP keeps the forward's residuals until their cotangents
+    are computed: multi-head attention's [TB, H, L, L] probabilities and
+    [TB, L, H, K] heads); values of a loop or branch body count over the
+    whole body, an over-estimate.
+
+    Example:
+      >>> fp = Footprint(1, 1, (), 0, 0, 0, 0, values=(((4,), "float32", 0, 2),
+      ...                                               ((8,), "float32", 1, 1),
+      ...                                               ((2,), "float32", 3, 3)))
+      >>> fp.peak_live_bytes(lambda shape, dtype: shape[0])
+      12
+    """
+    events = []
+    for shape, dtype, first, last in self.values:
+      n = size(shape, dtype)
+      events += [(first, 1, n), (last + 1, 0, -n)]  # frees before allocations
+    peak = live = 0
+    for _, _, n in sorted(events):
+      live += n
+      peak = max(peak, live)
+    return peak
 
   def largest_row_operand_bytes(self) -> int:
     """The largest dot operand computed from rows (staged per dot either way)."""
@@ -227,6 +260,32 @@ def _walk(jaxpr: jex_core.Jaxpr, roots_in: list[Any], dots: list[Dot], largest: 
   return [root_of(v) for v in jaxpr.outvars]
 
 
+def _lifetimes(jaxpr: jex_core.Jaxpr, out: list, position: list[int]) -> None:
+  """Appends (shape, dtype, first, last) of every array `jaxpr` computes
+  (`Footprint.values`); `position` is the running program position."""
+  first: dict[Any, tuple[tuple[int, ...], str, int]] = {}
+  last: dict[Any, int] = {}
+  for eqn in jaxpr.eqns:
+    for sub in jex_core.jaxprs_in_params(eqn.params):
+      _lifetimes(sub, out, position)
+    here = position[0]
+    position[0] += 1
+    for v in eqn.invars:
+      if not isinstance(v, jex_core.Literal) and v in first:
+        last[v] = here
+    for v in eqn.outvars:
+      shape = tuple(getattr(v.aval, "shape", ()))
+      dtype = getattr(v.aval, "dtype", None)
+      if (shape and not isinstance(v, jex_core.DropVar)
+          and isinstance(dtype, np.dtype)):  # not a typed key: no layout known
+        first[v] = (shape, dtype.name, here)
+  for v in jaxpr.outvars:
+    if not isinstance(v, jex_core.Literal) and v in first:
+      last[v] = position[0]
+  out.extend((shape, dtype, start, last.get(v, start))
+             for v, (shape, dtype, start) in first.items())
+
+
 def measure(jaxprs_and_shared: Iterable[tuple[jex_core.Jaxpr, int]], *, batch: int,
             block_rows: int, shared_avals: Sequence[Any],
             row_block_avals: Sequence[Any]) -> Footprint:
@@ -244,9 +303,11 @@ def measure(jaxprs_and_shared: Iterable[tuple[jex_core.Jaxpr, int]], *, batch: i
   """
   dots: list[Dot] = []
   largest = [0]
+  values: list = []
   for jaxpr, n_shared in jaxprs_and_shared:
     _walk(jaxpr, [v if i < n_shared else None for i, v in enumerate(jaxpr.invars)], dots,
           largest, block_rows, top=True)
+    _lifetimes(jaxpr, values, [0])
   shared_bytes = sum(_nbytes(a) for a in shared_avals)
   row_block_bytes = sum(_nbytes(a) for a in row_block_avals)
   return Footprint(
@@ -255,4 +316,5 @@ def measure(jaxprs_and_shared: Iterable[tuple[jex_core.Jaxpr, int]], *, batch: i
       block_bytes=shared_bytes + row_block_bytes,
       row_bytes=-(-row_block_bytes // block_rows),
       blocks=tuple((tuple(a.shape), np.dtype(a.dtype).name)
-                   for a in list(shared_avals) + list(row_block_avals)))
+                   for a in list(shared_avals) + list(row_block_avals)),
+      values=tuple(values))

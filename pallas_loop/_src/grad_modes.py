@@ -38,8 +38,8 @@ class Context:
       -> (g_params, g_consts, g_h_start, g_x); `bound` (static) bounds n,
       `every` is the checkpoint interval (None: the default).
     max_iters: the forward's static step bound.
-    iterate: `pallas_loop.iterate` with the call's implementation and
-      tiling options (for a mode that solves with it, e.g. `Implicit`).
+    iterate: `pallas_loop.iterate` with the call's `Options` (for a mode
+      that solves with it, e.g. `Implicit`).
   """
 
   fn: step_fn_lib.StepFn

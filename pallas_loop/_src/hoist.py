@@ -304,6 +304,7 @@ def split(body: Callable[..., Any], params: Any, h0: Any,
   variant = set(ins[n_consts + n_params:n_consts + n_params + n_h]) | set(
       ins[n_consts + n_params + n_h + n_x:])
   on_x = set(x_ids)
+  on_inputs = set(ins)
   producer: dict[int, int] = {}
   for k, node in enumerate(program.nodes):
     ids = [a for a in node.ins if not isinstance(a, _Lit)]
@@ -311,6 +312,8 @@ def split(body: Callable[..., Any], params: Any, h0: Any,
       variant.update(node.outs)
     if any(a in on_x for a in ids):
       on_x.update(node.outs)
+    if any(a in on_inputs for a in ids):
+      on_inputs.update(node.outs)
     producer.update((o, k) for o in node.outs)
 
   per_row_leaf = lambda tree: sum(_size(np.shape(a)[1:]) for a in tree_util.tree_leaves(tree))
@@ -323,6 +326,11 @@ def split(body: Callable[..., Any], params: Any, h0: Any,
     node = program.nodes[producer[i]]
     aval = program.avals[i]
     if not _worth(node.eqn) or not jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact):
+      return None
+    if i not in on_inputs:
+      # A constant (`jnp.sqrt(d)` of attention's scaling): the kernels compute
+      # it while tracing (`jaxpr_eval._folds`); as a residual it would be a
+      # parameter whose gradient the backward kernel sums to a scalar.
       return None
     shape, shape2 = tuple(aval.shape), tuple(other.avals[i].shape)
     if i not in on_x:
@@ -392,7 +400,8 @@ def split(body: Callable[..., Any], params: Any, h0: Any,
     if here.signature() != signature:
       raise ValueError(
           "pallas_loop.iterate: the step's jaxpr differs between row counts, so its "
-          "hoisted state-independent part does not apply at this tile; pass hoist=False.")
+          "hoisted state-independent part does not apply at this tile; pass "
+          "options=pallas_loop.Options(hoist=False).")
     flat = [*here.consts, *params_, *tree_util.tree_leaves(h), *x_,
             *tree_util.tree_leaves((t, rows, index))]
     env = {i: v for i, v in zip(here.inputs, flat) if i in read}

@@ -21,12 +21,14 @@ from pallas_loop._src import grad_modes
 from pallas_loop._src import hoist as hoist_lib
 from pallas_loop._src import info as info_lib
 from pallas_loop._src import loop_reverse
+from pallas_loop._src import options as options_lib
 from pallas_loop import random as random_lib
 from pallas_loop._src import row_checks
 from pallas_loop._src import sharding
 from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src import validation
 from pallas_loop._src.operands import LoopOperands, LoopOutputs
+from pallas_loop._src.options import Options
 
 
 def iterate(
@@ -42,17 +44,12 @@ def iterate(
     min_iters: Any = 0,
     key: Any = None,
     grad: Any = "full",
-    implementation: str | None = None,
-    interpret: Any = None,
-    block_rows: int | None = None,
-    sort_rows: bool = True,
-    schedule: str | None = None,
     return_info: bool = False,
     per_example: bool = False,
     step_index: bool = False,
     step_outputs: bool = False,
-    hoist: bool = True,
-    approx_tanh: bool | None = None,
+    options: Options | None = None,
+    **kwargs: Any,
 ) -> Any:
   """Applies `step` to each row of `h0` its own number of times.
 
@@ -102,23 +99,6 @@ def iterate(
       `Implicit()` (implicit-function gradient at a fixed
       point) or `Phantom(k)` (k steps unrolled from the stopped output). When
       to use which, and their memory: the docs' "Gradients and memory" page.
-    implementation: None (auto: the Pallas kernel on GPU/TPU when the step
-      fits its rules, else XLA with a one-time warning saying why; XLA on
-      CPU), "pallas" (the kernel; interpret mode on CPU; an error, never a
-      silent fallback, if it cannot run) or "xla".
-    interpret: run the kernel in Pallas interpret mode. None: only where no
-      compiled backend exists (CPU). A `pltpu.InterpretParams()` interprets
-      with TPU semantics.
-    block_rows: rows per kernel tile (default chosen per backend: at least
-      256 tiles of 16 to 64 rows with Triton, at least 4 tiles of 128 to
-      1024 rows on TPU, 32 in interpret mode; `pallas_loop.tuning` times the
-      candidates).
-    sort_rows: order rows by descending count before tiling so each tile's
-      rows finish together (results do not depend on it).
-    schedule: how GPU kernel programs take their tiles: None (the backend's
-      default, "grid"), "grid" (one program per tile) or "persistent" (one
-      program per SM, each taking tiles longest first); results do not
-      depend on it (docs/implementations.md, "Schedule").
     return_info: also return an `IterateInfo`.
     per_example: `step` is written for one row (`h` and `x` without the row
       axis, and the key of that row), as optimistix and equinox users write
@@ -141,22 +121,14 @@ def iterate(
       `Implicit` and `Phantom` raise. Every implementation runs them; in
       the kernels they stream out of the loop (written to time-major output
       blocks at each trip's slot, no per-step buffer in the loop's state).
-    hoist: compute the step's state-independent part once, outside the
-      loop: work that depends only on `params`, the arrays `step` closes
-      over and `x` (not on `h`, the key or the step index), e.g. `x @ U`,
-      runs as one batched op over all rows before the loop, and is
-      differentiated there. Results are unchanged; False recomputes it at
-      every step. See the docs' "Performance" page for what is hoisted.
-    approx_tanh: how the GPU (Triton) kernels compute a float32 `tanh`:
-      with the hardware's `tanh.approx.f32` (one instruction; relative
-      error at most 2^-11, below a 16-bit float's rounding) or libdevice's
-      `tanhf` (about 15). None (default): the approximation where every
-      floating leaf of the state is 16-bit (bfloat16, float16), libdevice
-      where any is wider; True/False: always/never. The XLA implementation
-      and the TPU kernels always use their platform's own `tanh`; interpret
-      mode applies the approximation's worst case. The kernels' `logistic`
-      (`jax.nn.sigmoid`) is XLA's GPU formula in either case. See the docs'
-      "Implementations" page, "Transcendentals on a GPU".
+    options: how to run it, a `pallas_loop.Options` (None: `Options()`):
+      the implementation (auto, "pallas" or "xla"), interpret mode, rows
+      per kernel tile, row sorting, the GPU schedule, hoisting of the
+      step's state-independent part and the GPU kernels' tanh. See
+      `Options` for each field.
+    **kwargs: nothing else is taken; the how-to-run keywords of earlier
+      versions (`implementation=`, `block_rows=`, ...) raise a TypeError
+      that shows their spelling with `options=`.
 
   The step's extras are keyword arguments, passed only when asked for:
   `step(params, h, x)`, `step(params, h, x, key=k)`,
@@ -177,9 +149,14 @@ def iterate(
     >>> pallas_loop.iterate(double, None, jnp.ones((3, 5)),
     ...                     iters=jnp.array([1, 2, 3]), max_iters=3)[:, 0]
     Array([2., 4., 8.], dtype=float32)
+    >>> opts = pallas_loop.Options(implementation="xla")
+    >>> pallas_loop.iterate(double, None, jnp.ones((3, 5)), iters=2, max_iters=3,
+    ...                     options=opts)[:, 0]
+    Array([4., 4., 4.], dtype=float32)
   """
-  tiling = validation.check_options(step, implementation, interpret, block_rows, sort_rows,
-                                    schedule, approx_tanh)
+  options_lib.reject_keywords("iterate", kwargs)
+  validation.check_step(step)
+  options = options_lib.check_options(options)
   mode = grad_modes.as_mode(grad)
   max_iters = validation.check_max_iters(max_iters)
   batch = validation.batch_size(h0, x)
@@ -209,7 +186,7 @@ def iterate(
   # Per-step outputs travel row-major, [B, max_iters, ...], inside.
   ys_avals = None if not step_outputs else step_fn_lib.output_buffer_avals(
       y_shape, batch, max_iters)
-  hoisted = hoist_lib.split(body, params, h0, x)[0] if hoist else None
+  hoisted = hoist_lib.split(body, params, h0, x)[0] if options.hoist else None
   if hoisted is not None:
     body = hoisted.body
     consts, _ = step_fn_lib.trace_step(body, *_hoisted_shapes(hoisted, params, h0, x))
@@ -217,10 +194,10 @@ def iterate(
 
   # The residual is only computed when it is returned.
   ctx = grad_modes.Context(
-      fn=fn, forward=dispatch.forward_fn(fn, tiling, max_iters=max_iters, residual=return_info,
-                                 outputs=ys_avals),
-      window=dispatch.window_fn(fn, tiling), max_iters=max_iters,
-      iterate=functools.partial(iterate, hoist=hoist, **tiling.as_kwargs()))
+      fn=fn, forward=dispatch.forward_fn(fn, options, max_iters=max_iters,
+                                         residual=return_info, outputs=ys_avals),
+      window=dispatch.window_fn(fn, options), max_iters=max_iters,
+      iterate=functools.partial(iterate, options=options))
   loop = _differentiable(mode, ctx, step_fn_lib.avals(h0), ys_avals)
   loop_params = params
   if hoisted is not None:

@@ -17,6 +17,7 @@ gradient into its ref), and reads shared operands where used (`LoadOnUse`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -52,12 +53,19 @@ class Rules:
     merge_leading_contractions: a dot contracting the same leading axes of
       both operands (a weight gradient of a [TB, S, D] state) is computed
       on operands reshaped to 2-D (`_merged_dot`; Mosaic).
+    canonical_dots: a dot with several batch axes (the rows and the heads
+      of multi-head attention) or several contracted axes is computed with
+      one of each, its operands' axes transposed into groups and merged
+      (`_canonical_dot`; Mosaic).
+    wide_accumulators: a dot of narrow floats whose result is narrow
+      (`jnp.einsum` of two bfloat16 arrays) accumulates in float32 and is
+      rounded once, as XLA computes it on a TPU (Mosaic).
     fast_math: tanh and logistic as `fast_math.apply` computes them
       (Triton): logistic by `ex2.approx`/`rcp.approx`, 16-bit operands in
       float32.
     approx_tanh: with `fast_math`, float32 tanh by `tanh.approx.f32`; set
       per call by `for_state` (from the state's dtypes, or from
-      `iterate(approx_tanh=...)`), never by a backend.
+      `Options.approx_tanh`), never by a backend.
     emulate_fast_math: `fast_math` in jnp, for interpret mode (no PTX).
     logistic_via_tanh: `logistic(x)` (`jax.nn.sigmoid`) as `0.5 * tanh(0.5
       x) + 0.5`, in float32 (Mosaic): one transcendental instead of an exp
@@ -73,6 +81,8 @@ class Rules:
   integer_mask_selects: bool = False
   split_dot_bytes: int | None = None
   merge_leading_contractions: bool = False
+  canonical_dots: bool = False
+  wide_accumulators: bool = False
   fast_math: bool = False
   approx_tanh: bool = False
   emulate_fast_math: bool = False
@@ -83,7 +93,8 @@ PLAIN = Rules()
 TRITON = Rules(swap_transposed_dots=True, fence_transposed_operands=True,
                integer_mask_selects=True, split_dot_bytes=32768, fast_math=True)
 TRITON_INTERPRET = dataclasses.replace(TRITON, emulate_fast_math=True)
-MOSAIC = Rules(merge_leading_contractions=True, logistic_via_tanh=True)
+MOSAIC = Rules(merge_leading_contractions=True, canonical_dots=True, wide_accumulators=True,
+               logistic_via_tanh=True)
 
 
 def for_state(rules: Rules, h: Any, approx_tanh: bool | None = None) -> Rules:
@@ -207,25 +218,40 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
     elif rules.integer_mask_selects and _is_masked_select(eqn):
       outs = [_bitwise_select(*invals)]
     elif rules.merge_leading_contractions and merges_leading_contractions(eqn):
-      outs = [_merged_dot(eqn, *_matched(invals))]
+      lhs, rhs = _matched(invals)
+      outs = [_merged_dot(eqn, lhs, rhs, rules=rules)]
+    elif rules.canonical_dots and needs_canonical_form(eqn):
+      lhs, rhs = _matched(invals)
+      outs = [_canonical_dot(eqn, lhs, rhs, rules=rules)]
     elif i in swapped:
       if fence:
         invals = _fenced(eqn, invals, [v in computed for v in eqn.invars], swapped=True)
       outs = [_swapped_dot(eqn, *_matched(invals))]
     else:
       params = eqn.params
+      narrow = None
       if eqn.primitive.name == "dot_general":
         if fence:
           invals = _fenced(eqn, invals, [v in computed for v in eqn.invars])
         invals = _matched(invals)
         params = dict(params, precision=narrow_dot_precision(params["precision"], invals))
+        narrow = _narrow_result(eqn, rules)
+        if narrow is not None:
+          params["preferred_element_type"] = np.dtype(np.float32)
       bind = eqn.primitive.get_bind_params(params)
       # (subfuns, params) before JAX 0.11, params from 0.11 on.
       subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
-      with eqn.ctx.manager:
+      folds = _folds(eqn, invals)
+      with eqn.ctx.manager, (jax.ensure_compile_time_eval() if folds
+                             else contextlib.nullcontext()):
         outs = eqn.primitive.bind(*subfuns, *invals, **params)
       if not eqn.primitive.multiple_results:
         outs = [outs]
+      if folds:  # literals in the kernel, not captured constants (weak types kept)
+        outs = [np.asarray(o).item() if getattr(v.aval, "weak_type", False) else np.asarray(o)
+                for o, v in zip(outs, eqn.outvars)]
+      if eqn.primitive.name == "dot_general" and narrow is not None:
+        outs = [outs[0].astype(narrow)]
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
       flush(v)
@@ -233,6 +259,23 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
     flush(v)
   sunk = set(sinks or ())
   return [None if k in sunk else read(v) for k, v in enumerate(jaxpr.outvars)]
+
+
+def _folds(eqn: jex_core.JaxprEqn, invals: Sequence[Any]) -> bool:
+  """Whether `eqn` computes a scalar from constants alone, to be computed
+  while tracing (`jax.ensure_compile_time_eval`) and enter the kernel as a
+  constant.
+
+  `x / jnp.sqrt(d).astype(x.dtype)` (Flax's attention scaling) traces to
+  `sqrt` and `convert_element_type` of scalars: in the kernel Mosaic would
+  make a bfloat16 scalar, which it cannot ("Only arrays with 32-bit element
+  types can be converted to scalars", JAX 0.11.2); a bfloat16 constant it
+  takes. (Only scalars, and as numpy scalars: a kernel captures no array,
+  and JAX 0.10.2's Pallas not even a 0-d one, "captures constants".)
+  """
+  return (not list(jex_core.jaxprs_in_params(eqn.params)) and not eqn.effects
+          and all(getattr(v.aval, "shape", None) == () for v in eqn.outvars)
+          and not any(isinstance(a, jax.core.Tracer) for a in invals))
 
 
 def logistic_via_tanh(x: jax.Array) -> jax.Array:
@@ -316,7 +359,8 @@ def merges_leading_contractions(eqn: jex_core.JaxprEqn) -> bool:
   return not lb and len(lc) >= 2 and tuple(lc) == lead and tuple(rc) == lead
 
 
-def _merged_dot(eqn: jex_core.JaxprEqn, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+def _merged_dot(eqn: jex_core.JaxprEqn, lhs: jax.Array, rhs: jax.Array,
+                rules: Rules = PLAIN) -> jax.Array:
   """A dot contracting the leading axes of both operands, as a 2-D dot.
 
   libtpu's Mosaic (0.0.48.1) reshapes such operands to the wrong element
@@ -327,11 +371,96 @@ def _merged_dot(eqn: jex_core.JaxprEqn, lhs: jax.Array, rhs: jax.Array) -> jax.A
   k = len(eqn.params["dimension_numbers"][0][0])
   lead = int(np.prod(lhs.shape[:k]))
   a, b = lhs.reshape((lead, -1)), rhs.reshape((lead, -1))
+  out = _dot(eqn, a, b, (((0,), (0,)), ((), ())), rules)
+  return out.reshape(eqn.outvars[0].aval.shape)  # type: ignore[attr-defined]
+
+
+def _narrow_result(eqn: jex_core.JaxprEqn, rules: Rules) -> Any:
+  """The dtype of `eqn`'s (a dot's) result where `rules` accumulate it in
+  float32 and round it once (`Rules.wide_accumulators`), else None."""
+  out = np.dtype(eqn.outvars[0].aval.dtype)  # type: ignore[attr-defined]
+  if (rules.wide_accumulators and jax.numpy.issubdtype(out, jax.numpy.floating)
+      and out.itemsize < 4):
+    return out
+  return None
+
+
+def _dot(eqn: jex_core.JaxprEqn, a: jax.Array, b: jax.Array, dims: Any, rules: Rules) -> jax.Array:
+  """`eqn`'s dot computed as `dot_general(a, b, dims)`: its precision
+  (`narrow_dot_precision`) and accumulator (`Rules.wide_accumulators`)."""
+  narrow = _narrow_result(eqn, rules)
+  preferred = np.dtype(np.float32) if narrow is not None else eqn.params.get(
+      "preferred_element_type")
   with eqn.ctx.manager:
-    out = jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
-                              precision=narrow_dot_precision(eqn.params.get("precision"),
-                                                             (a, b)),
-                              preferred_element_type=eqn.params.get("preferred_element_type"))
+    out = jax.lax.dot_general(a, b, dims,
+                              precision=narrow_dot_precision(eqn.params.get("precision"), (a, b)),
+                              preferred_element_type=preferred)
+  return out if narrow is None else out.astype(narrow)
+
+
+def needs_canonical_form(eqn: jex_core.JaxprEqn) -> bool:
+  """Whether Mosaic needs `eqn` (a dot) rewritten by `_canonical_dot`: it has
+  more than one batch axis or more than one contracted axis (those that
+  contract the same leading axes of both operands are `_merged_dot`'s)."""
+  if eqn.primitive.name != "dot_general" or merges_leading_contractions(eqn):
+    return False
+  (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+  return len(lb) >= 2 or len(lc) >= 2
+
+
+def _grouped(x: jax.Array, batch: Sequence[int], contracted: Sequence[int],
+             contracted_last: bool) -> tuple[jax.Array, int]:
+  """`x` as [batch, free..., contracted] (`contracted_last`) or [batch,
+  contracted, free...]: its batch axes first, merged into one (none where it
+  has none), its contracted axes merged into one, in the order `contracted`
+  lists them. An operand whose free and contracted axes are already in two
+  groups keeps their order (no transpose), whichever group comes first.
+
+  Returns:
+    (the operand, the position of its contracted axis).
+  """
+  free = [i for i in range(x.ndim) if i not in batch and i not in contracted]
+  lead, contracted = list(batch), list(contracted)
+  if lead + free + contracted == list(range(x.ndim)):
+    contracted_last = True
+  elif lead + contracted + free == list(range(x.ndim)):
+    contracted_last = False
+  order = lead + (free + contracted if contracted_last else contracted + free)
+  if order != list(range(x.ndim)):
+    x = jax.numpy.transpose(x, order)
+  batch_size = [int(np.prod(x.shape[:len(lead)]))] if lead else []
+  free_sizes = [x.shape[i] for i in range(len(lead), x.ndim) if order[i] in free]
+  k = int(np.prod([x.shape[order.index(i)] for i in contracted]))
+  shape = batch_size + (free_sizes + [k] if contracted_last else [k] + free_sizes)
+  return x.reshape(shape), len(batch_size) + (len(free_sizes) if contracted_last else 0)
+
+
+def _canonical_dot(eqn: jex_core.JaxprEqn, lhs: jax.Array, rhs: jax.Array,
+                   rules: Rules = PLAIN) -> jax.Array:
+  """A dot with at most one batch axis and one contracted axis, the same sum.
+
+  JAX 0.10.2's Mosaic rejects at lowering a dot with several batch axes
+  ("'tpu.matmul' op Not implemented: Up to 1 batch dim supported": the
+  scores `einsum("bqhd,bkhd->bhqk")` of multi-head attention as Flax and
+  Equinox write it, whose batch axes are the rows and the heads) and one
+  with several contracted axes ("lhs contracting dims must be of size 1":
+  Flax's `DenseGeneral` projection from the heads, `einsum("bqhd,hde->
+  bqe")`, and its gradients); libtpu 0.0.48.1 aborts on some of the latter
+  ("Check failed", the lhs's contracted axes not trailing). Each operand is transposed, where
+  its axes are not already in groups, to have its batch axes first and its
+  contracted axes together, and each group is merged into one axis (all
+  measured to compile, deviceless, with both); the result [batch, lhs
+  free..., rhs free...] is the dot's, its batch axis split again.
+  """
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  # Pairs in the lhs's order: `einsum("bqhd,hde->bqe")` lists (3, 2) x (1, 0),
+  # the same sum as (2, 3) x (0, 1), which needs no transpose.
+  pairs = sorted(zip(lc, rc))
+  lc, rc = [p[0] for p in pairs], [p[1] for p in pairs]
+  a, ka = _grouped(lhs, lb, lc, contracted_last=True)
+  b, kb = _grouped(rhs, rb, rc, contracted_last=False)
+  batch = ((0,), (0,)) if lb else ((), ())
+  out = _dot(eqn, a, b, (((ka,), (kb,)), batch), rules)
   return out.reshape(eqn.outvars[0].aval.shape)  # type: ignore[attr-defined]
 
 

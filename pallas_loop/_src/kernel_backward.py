@@ -81,7 +81,7 @@ tree_util.register_pytree_node(RefSum, lambda s: ((), s), lambda s, _: s)
 
 
 def _float_vjp(step, shared, h, x, t, rows, index, ct, ct_y, acc_shared: RefSum, acc_x: RefSum, *,
-               rules: jaxpr_eval.Rules, plain_step):
+               rules: jaxpr_eval.Rules, plain_step, shared_float):
   """The step's VJP w.r.t. the float leaves only, with single-dtype dots
   (`jaxpr_eval.py`: Triton rejects mixed-dtype dots), each shared-operand and
   input gradient added to its ref where it is computed.
@@ -95,26 +95,37 @@ def _float_vjp(step, shared, h, x, t, rows, index, ct, ct_y, acc_shared: RefSum,
   them are exact but not differentiable (an integer-mask select would give
   zero gradients), so they must not be differentiated.
 
+  Args:
+    shared_float: per shared leaf, whether it gets a gradient (the float
+      params and the float constants that stand for a caller's; a constant
+      made inside the step gets none and is not differentiated).
+
   Returns:
     (d_h, acc_shared, acc_x) as `loop_reverse.step_vjp`.
   """
   del step  # the kernel's evaluation of it: `plain_step` is differentiated
-  # Integer operands (key data) are closed over by the traced VJP: load them.
-  shared, x = tree_util.tree_map(
+  # Operands without a gradient (integer key data, constants made inside the
+  # step) are closed over by the traced VJP: load them.
+  shared_leaves, shared_tree = tree_util.tree_flatten(shared)
+  shared = tree_util.tree_unflatten(shared_tree, [
+      a.load() if isinstance(a, jaxpr_eval.LoadOnUse) and not f else a
+      for a, f in zip(shared_leaves, shared_float)])
+  x = tree_util.tree_map(
       lambda a: a.load() if isinstance(a, jaxpr_eval.LoadOnUse) and not loop_reverse.is_float(a)
-      else a, (shared, x))
-  # Outputs of the VJP, one per float leaf of (shared, h, x): the shared and
-  # input gradients go to their refs, the state's come back.
-  float_refs = lambda refs, tree: [r for r, a in zip(refs, tree_util.tree_leaves(tree))
-                                   if loop_reverse.is_float(a)]
+      else a, x)
+  # Outputs of the VJP, one per wanted float leaf of (shared, h, x): the
+  # shared and input gradients go to their refs, the state's come back.
+  x_refs = [r for r, a in zip(acc_x.refs, tree_util.tree_leaves(x)) if loop_reverse.is_float(a)]
   n_h = len(loop_reverse.float_leaves(h))
-  sinks = RefSum(float_refs(acc_shared.refs, shared) + [None] * n_h
-                 + float_refs(acc_x.refs, x)).sinks()
+  sinks = RefSum([r for r, f in zip(acc_shared.refs, shared_float) if f] + [None] * n_h
+                 + x_refs).sinks()
   evaluate = lambda vjp_fn, floats, ct_: jaxpr_eval.call_with_matched_dots(
       vjp_fn, floats, ct_, sinks=sinks, rules=rules)
+  n_x = len(tree_util.tree_leaves(x))
   _, d_h, _ = loop_reverse.vjp_of_floats(
       lambda s_, h_, x_: plain_step(s_, h_, x_, t, rows, index), (shared, h, x),
-      loop_reverse.float_leaves(ct) + loop_reverse.float_leaves(ct_y), evaluate=evaluate)
+      loop_reverse.float_leaves(ct) + loop_reverse.float_leaves(ct_y), evaluate=evaluate,
+      wanted=list(shared_float) + [True] * (len(tree_util.tree_leaves(h)) + n_x))
   return loop_reverse.with_integer_zeros(d_h, h), acc_shared, acc_x
 
 
@@ -173,7 +184,8 @@ def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):
       ckpt=RefBuffer(ckpt_refs, h_tree), seg=RefBuffer(seg_refs, h_tree),
       acc_shared=RefSum(g_shared_refs), acc_x=RefSum(g_x_refs),
       vjp=functools.partial(_float_vjp, rules=wp.config.eval_rules,
-                            plain_step=functools.partial(step, rules=None)),
+                            plain_step=functools.partial(step, rules=None),
+                            shared_float=wp.shared_float),
       aligned=wp.aligned,
       g_ys_at=None if wp.outputs is None else functools.partial(_output_cotangents, g_ys_refs, wp))
   for r, leaf in zip(g_h_refs, tree_util.tree_leaves(g_h)):
@@ -273,10 +285,20 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every,
   g_y = tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((tb,) + a.shape[2:], a.dtype),
                            outputs)
 
+  # A constant made inside the step (no caller's const behind it, `sources`)
+  # gets no gradient: differentiating it would only be thrown away (and
+  # Mosaic cannot sum a bfloat16 scalar's: `x / jnp.sqrt(d).astype(x.dtype)`).
+  n_params = len(tree_util.tree_leaves(params))
+  shared_float = tuple(loop_reverse.is_float(a) and (i < n_params
+                                                     or tile.traced.sources[i - n_params] is not None)
+                       for i, a in enumerate(shared))
+
   def vjp_of_step(shared, h, x, t, rows, index, g, g_y):
     f = lambda s_, h_, x_: tile.traced.apply(s_[1], s_[0], h_, x_, t, rows, index)[:2]
+    wanted = list(shared_float) + [True] * len(tree_util.tree_leaves((h, x)))
     return loop_reverse.vjp_of_floats(
-        f, (shared, h, x), loop_reverse.float_leaves(g) + loop_reverse.float_leaves(g_y))
+        f, (shared, h, x), loop_reverse.float_leaves(g) + loop_reverse.float_leaves(g_y),
+        wanted=wanted)
 
   avals = functools.partial(step_fn_lib.avals, rows=tb)
   column = jax.ShapeDtypeStruct((tb, 1), np.int32)
@@ -284,8 +306,7 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every,
       (params, list(tile.traced.const_values)), avals(h), avals(x),
       *step_fn_lib.row_index_avals(avals(h)), avals(h), g_y).jaxpr
   problems = (list(tile.problems) + backend.block_problems(blocks)
-              + backend_lib.unsupported_primitive_problems(backend, jaxpr)
-              + backend.extra_problems(jaxpr))
+              + backend_lib.step_problems(backend, jaxpr))
   shared_avals = [jax.ShapeDtypeStruct(kernel.shared_2d(a), jnp.result_type(a)) for a in shared]
   h_tiles, x_tiles = tree_util.tree_leaves(avals(h)), tree_util.tree_leaves(avals(x))
   h_tiles_batch = tree_util.tree_leaves(h)[0].shape[0]
@@ -304,7 +325,7 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every,
   return WindowPlan(
       tile=tile, config=config, footprint=fp, every=every, slots=slots,
       shared_shapes=tuple(np.shape(a) for a in shared),
-      shared_float=tuple(loop_reverse.is_float(a) for a in shared),
+      shared_float=shared_float,
       x_float=tuple(loop_reverse.is_float(a) for a in tree_util.tree_leaves(x)),
       problems=tuple(dict.fromkeys(problems + config_problems)),
       aligned=step_fn.indexed or step_fn.outputs, outputs=outputs, y_float=y_float)

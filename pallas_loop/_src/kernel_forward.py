@@ -317,8 +317,7 @@ def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given, outputs=None
                     param_shapes=(), const_shapes=(), config=None, footprint=None,
                     problems=tuple(typed))
   problems = (backend.block_problems(blocks)
-              + backend_lib.unsupported_primitive_problems(backend, traced.jaxpr, slice_eqns)
-              + backend.extra_problems(traced.jaxpr))
+              + backend_lib.step_problems(backend, traced.jaxpr, slice_eqns))
   shared = list(tree_util.tree_leaves(params)) + list(traced.const_values)
   # Row blocks: h in and out, x, and four [TB, 1] columns (counts, rows, stats).
   row_blocks = (2 * tree_util.tree_leaves(step_fn_lib.avals(h0, tb))

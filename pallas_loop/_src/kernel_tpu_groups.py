@@ -115,7 +115,7 @@ class GroupPlan:
 
   @property
   def block_rows(self) -> int:
-    """Rows one evaluation of the step sees (`iterate(block_rows=...)`)."""
+    """Rows one evaluation of the step sees (`Options.block_rows`)."""
     return self.chunk_rows
 
   @property
@@ -139,7 +139,7 @@ def default_chunk_rows(batch: int) -> int:
 
 def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, consts, h0, x,
          block_rows: int | None = None, outputs: Any = None, *,
-         sort_rows: bool = True, max_iters: int) -> Any:
+         sort_rows: bool = True, max_iters: int, halving: bool = False) -> Any:
   """The group kernel's plan, or the tile kernel's where this one does not
   apply (per-step outputs, unsorted rows).
 
@@ -150,6 +150,8 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
     outputs: the per-step outputs' avals, or None.
     sort_rows: the caller's `sort_rows`.
     max_iters: T, the counts' static bound.
+    halving: `block_rows` is a default chunk halved because the one twice
+      as tall did not fit (it may be halved again).
 
   Returns:
     A `GroupPlan`, or a `kernel_forward.TilePlan`.
@@ -192,8 +194,7 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
                                kernel_forward.shared_2d(c), row_axis=None)
              for i, c in enumerate(traced.const_values)]
   problems += (backend.block_problems(blocks)
-               + backend_lib.unsupported_primitive_problems(backend, traced.jaxpr, slice_eqns)
-               + backend.extra_problems(traced.jaxpr))
+               + backend_lib.step_problems(backend, traced.jaxpr, slice_eqns))
   uses_rows = _reads(traced.jaxpr, len(tree_util.tree_leaves((params, h0, x))) + 1)
   shared = list(tree_util.tree_leaves(params)) + list(traced.const_values)
   shared_avals = [jax.ShapeDtypeStruct(kernel_forward.shared_2d(a), jnp.result_type(a))
@@ -202,6 +203,13 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
       [(traced.jaxpr, n_params)], batch=batch, block_rows=chunk, shared_avals=shared_avals,
       row_block_avals=_row_blocks(h0, x, chunk, columns=4))
   config, group, config_problems = _configure(backend, fp, batch, chunk, h0, x, shared_avals)
+  if (config is None and (block_rows is None or halving) and not problems
+      and chunk // 2 >= backend_mosaic_tpu.SMALLEST_TILE):
+    # The default chunk's values do not fit (multi-head attention keeps
+    # [C, H, L, L] probabilities and [C, L, H, K] heads alive, padded to
+    # VMEM's tiles): halve it, as `kernel_forward.configured` halves a tile.
+    return plan(backend, step_fn, params, consts, h0, x, chunk // 2, outputs,
+                sort_rows=sort_rows, max_iters=max_iters, halving=True)
   padded = tiling.padded_rows(tiling.padded_rows(batch, chunk), group)
   return GroupPlan(
       backend=backend, chunk_rows=chunk, group_rows=group, rows=padded, traced=traced,
@@ -245,7 +253,8 @@ def _configure(backend, fp, batch, chunk, h0, x, shared_avals):
                 for a in _row_blocks(h0, x, chunk, columns=4)) / chunk
   fixed = (2 * sum(backend_mosaic_tpu.padded_bytes(a.shape, a.dtype) for a in shared_avals)
            + backend_mosaic_tpu.FIXED_SCRATCH
-           + backend_mosaic_tpu.ROW_TEMPORARIES * fp.largest_row_value_bytes)
+           # The step's values with the margin libtpu took over their estimate.
+           + int(backend_mosaic_tpu.MARGIN * backend_mosaic_tpu.step_values_bytes(fp)))
   fits = int((cap - fixed) // (2 * per_row)) // chunk * chunk
   if fits < chunk:
     return None, chunk, [
@@ -257,8 +266,10 @@ def _configure(backend, fp, batch, chunk, h0, x, shared_avals):
   # Headroom over the estimate for Mosaic's own scratch (the row blocks are
   # exactly what the pipeline allocates; the temporaries are an allowance).
   limit = min(cap, -(-(need + need // 4) // backend_mosaic_tpu.MIB) * backend_mosaic_tpu.MIB)
+  # The default scoped limit is kept where it is enough (as the tile kernel
+  # does): no limit is asked for then.
   params = pltpu.CompilerParams(dimension_semantics=("parallel",),
-                                vmem_limit_bytes=max(limit, default))
+                                vmem_limit_bytes=None if limit <= default else limit)
   return backend_lib.KernelConfig(
       block_rows=chunk, compiler_params=params, eval_rules=jaxpr_eval.MOSAIC,
       estimate={"vmem_bytes": need, "vmem_limit_bytes": max(limit, default),
@@ -323,6 +334,7 @@ def _kernel(active_ref, trips_ref, *refs, plan: GroupPlan, trees, n_ops, elems_p
                                         on_chip=True, sliced=plan.sliced)
   params = tree_util.tree_unflatten(params_tree, shared[:n_params])
   consts = shared[n_params:]
+  assert plan.config is not None, plan.problems
   rules = plan.config.eval_rules
   for src, dst in zip(h_refs, out_refs):
     dst[...] = src[...]

@@ -29,7 +29,7 @@ accumulators are Pallas refs).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import jax
 from jax import lax
@@ -94,7 +94,8 @@ def with_integer_zeros(d: Any, like: Any) -> Any:
 
 
 def vjp_of_floats(fn: Callable[..., Any], args: tuple[Any, ...], ct_floats: list[Any],
-                  *, evaluate: Callable[..., Any] | None = None) -> tuple[Any, ...]:
+                  *, evaluate: Callable[..., Any] | None = None,
+                  wanted: Sequence[bool] | None = None) -> tuple[Any, ...]:
   """The VJP of `fn(*args)` with respect to the float leaves of `args` only.
 
   Integer and bool leaves (step counters, flags, key data) have no
@@ -108,12 +109,16 @@ def vjp_of_floats(fn: Callable[..., Any], args: tuple[Any, ...], ct_floats: list
     evaluate: evaluate(vjp_fn, floats, ct_floats) -> cotangents of floats;
       None calls `vjp_fn(floats, ct_floats)` directly (the backward kernel
       passes one that evaluates it with its backend's rules).
+    wanted: per leaf of `args`, whether its cotangent is wanted (None: every
+      float leaf's); a float leaf not wanted is closed over like an integer.
 
   Returns:
-    A tuple like `args`: the cotangent of each float leaf, None elsewhere.
+    A tuple like `args`: the cotangent of each float leaf (that is wanted),
+    None elsewhere.
   """
   leaves, tree = tree_util.tree_flatten(args)
-  is_f = [is_float(a) for a in leaves]
+  is_f = [is_float(a) and (wanted is None or w)
+          for a, w in zip(leaves, wanted if wanted is not None else [True] * len(leaves))]
 
   def on_floats(floats: list[Any]) -> list[Any]:
     it = iter(floats)

@@ -2,13 +2,12 @@
 
 `LoopOperands` is what every forward takes (and what the custom_vjp
 differentiates), `LoopOutputs` what it returns; `WindowOperands` is what
-every backward (the VJP of a per-row window of steps) takes; `Tiling` holds
-the caller's static choice of implementation and tiling.
+every backward (the VJP of a per-row window of steps) takes. The caller's
+static choice of how to run travels beside them as one `options.Options`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 
@@ -67,20 +66,3 @@ class WindowOperands(NamedTuple):
   row_ids: Any  # int32 [B]
   g: Any        # pytree like h_start
   g_ys: Any = None  # cotangents of the per-step outputs [B, T, ...], or None
-
-
-@dataclasses.dataclass(frozen=True)
-class Tiling:
-  """The caller's static choice of implementation, tiling and the kernels'
-  tanh (see `iterate`)."""
-
-  implementation: str | None = None
-  interpret: Any = None
-  block_rows: int | None = None
-  sort_rows: bool = True
-  schedule: str | None = None
-  approx_tanh: bool | None = None
-
-  def as_kwargs(self) -> dict[str, Any]:
-    """The options as `iterate` keyword arguments."""
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

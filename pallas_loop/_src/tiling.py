@@ -82,16 +82,16 @@ def take_rows(tree: T, index: jax.Array, *, as_one: bool = False) -> T:
   take = lambda a: jnp.take(a, index, axis=0, mode="clip")
   leaves, treedef = tree_util.tree_flatten(tree)
   words = [_row_words(a) for a in leaves]
-  packed = [i for i, w in enumerate(words) if w is not None]
+  packed = [(i, w) for i, w in enumerate(words) if w is not None]
   if not as_one or len(packed) < 2:
     return tree_util.tree_map(take, tree)
   rows = index.shape[0]
-  together = take(jnp.concatenate([_as_words(leaves[i]) for i in packed], axis=1))
+  together = take(jnp.concatenate([_as_words(leaves[i]) for i, _ in packed], axis=1))
   out = [None if w is not None else take(a) for a, w in zip(leaves, words)]
   start = 0
-  for i in packed:
-    out[i] = _from_words(together[:, start:start + words[i]], leaves[i], rows)
-    start += words[i]
+  for i, w in packed:
+    out[i] = _from_words(together[:, start:start + w], leaves[i], rows)
+    start += w
   return tree_util.tree_unflatten(treedef, out)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable
 
 import jax
@@ -10,10 +9,7 @@ from jax import tree_util
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_loop._src.operands import Halting, Tiling
-from pallas_loop._src.schedule import SCHEDULES
-
-IMPLEMENTATIONS = (None, "pallas", "xla")
+from pallas_loop._src.operands import Halting
 
 
 def static_int(name: str, value: Any, lowest: int) -> int:
@@ -172,29 +168,8 @@ def halting_operands(tol: Any, halt: Callable[..., Any] | None,
   return Halting(tol=tol_op, min_iters=min_op)
 
 
-def check_options(step: Any, implementation: Any, interpret: Any, block_rows: Any,
-                  sort_rows: Any, schedule: Any = None, approx_tanh: Any = None) -> Tiling:
-  """The tiling options after checks (and `step` is callable)."""
+def check_step(step: Any) -> None:
+  """`step` is callable, or a TypeError saying how it is called."""
   if not callable(step):
     raise TypeError(f"step must be callable as step(params, h, x), got "
                     f"{type(step).__name__}.")
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}.")
-  if implementation == "xla" and interpret not in (None, False):
-    raise ValueError("interpret= applies to the Pallas kernel; it has no "
-                     "meaning with implementation='xla'.")
-  if block_rows is not None:
-    try:
-      block_rows = operator.index(block_rows)
-    except TypeError:
-      raise TypeError(f"{block_rows=} must be a positive int or None.") from None
-    if block_rows < 1:
-      raise ValueError(f"{block_rows=} must be a positive int or None.")
-  if not isinstance(sort_rows, bool):
-    raise TypeError(f"{sort_rows=} must be a bool.")
-  if schedule is not None and schedule not in SCHEDULES:
-    raise ValueError(f"{schedule=} must be None, 'grid' or 'persistent'.")
-  if approx_tanh is not None and not isinstance(approx_tanh, bool):
-    raise TypeError(f"{approx_tanh=} must be None, True or False.")
-  return Tiling(implementation=implementation, interpret=interpret, block_rows=block_rows,
-                sort_rows=sort_rows, schedule=schedule, approx_tanh=approx_tanh)

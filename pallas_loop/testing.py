@@ -750,7 +750,12 @@ def check_compiles(
   here, and on the chip.
 
   Args:
-    step, params, h0, x, iters, max_iters: as for `pallas_loop.iterate`.
+    step: the step, as for `pallas_loop.iterate`.
+    params: its parameters.
+    h0: the initial state.
+    x: the per-row inputs (or None).
+    iters: the per-row counts (or None: every row `max_iters`).
+    max_iters: the counts' static bound.
     grads: the gradient modes to check ("full", `Truncated(k)`,
       `Implicit()`, `Phantom(k)`); () checks the forward only.
     targets: among "tpu" and "gpu".
@@ -769,7 +774,7 @@ def check_compiles(
       rules should have declined what the compiler cannot take; please
       report it), with the report.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, pallas_loop
     >>> step = lambda w, h, x: jnp.tanh(h @ w + x)
     >>> w, h0, x = 0.5 * jnp.eye(128), jnp.zeros((256, 128)), jnp.ones((256, 128))

@@ -126,8 +126,18 @@ count_distribution = cases.count_distribution
 # One timing routine for the library's tuner and the call-by-call benchmarks.
 median_seconds = tuning.median_seconds
 
-# Applications per timed jit call (`device_timing.chained_seconds`).
+# Applications per timed jit call (`device_timing.chained_seconds`): on an
+# accelerator a jitted call's host round trip (~0.6 ms on the TPU v5e) is
+# more than a whole loop at B=4096, so many applications share one call; on
+# a CPU the round trip is tens of microseconds against milliseconds of work,
+# so two do (the chain still grows while a call is under ten floors).
 CHAIN = 16
+CPU_CHAIN = 2
+
+
+def default_chain() -> int:
+  """`CHAIN` on an accelerator, `CPU_CHAIN` on a CPU."""
+  return CPU_CHAIN if jax.default_backend() == "cpu" else CHAIN
 
 
 def max_error(got, want) -> float:
@@ -296,11 +306,11 @@ def run_case(case: Case, impls=None, repeats: int = 5, seed: int = 0,
   Every output (the gradients, for a fwd+bwd case) is checked against the
   masked scan's, from one call of each. Times are per application, inside
   one jit (`device_timing.chained_seconds`, `chain` applications, default
-  `CHAIN`), the floor subtracted; medians of `repeats` calls.
+  `default_chain()`), the floor subtracted; medians of `repeats` calls.
   """
   names = [n for n in _applicable(case) if impls is None or n in impls]
   names = ["masked_scan"] + [n for n in names if n != "masked_scan"]
-  chain = CHAIN if chain is None else chain
+  chain = default_chain() if chain is None else chain
   step, params, h0, x = blocks.make(case.block, case.batch, case.d, jnp.dtype(case.dtype),
                                     jax.random.key(seed))
   counts = count_distribution(case.counts, case.batch, case.max_iters, seed)

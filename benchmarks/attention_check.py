@@ -75,7 +75,7 @@ def ut_act(batch: int, d: int, dtype, *, heads: int = HEADS, tokens: int = TOKEN
   state0 = (0.5 * jax.random.normal(k[0], (batch, tokens, d), jnp.float32)).astype(dtype)
   x = (0.5 * jax.random.normal(k[1], (batch, tokens, d), jnp.float32)).astype(dtype)
   params = module.init(k[2], state0[:1], x[:1])
-  act = halting.act(lambda p, s, x_: module.apply(p, s, x_), max_steps=MAX_STEPS, eps=0.01)
+  act = halting.act(lambda p, s, x_: module.apply(p, s, x_), max_iters=MAX_STEPS, eps=0.01)
   return act, params, act.init(params, state0, x), x
 
 
@@ -116,7 +116,7 @@ def check(dtype_name: str, implementation: str | None, what: str, batch: int, d:
             "backend": jax.default_backend(), "jax": jax.__version__}
   dtype = jnp.dtype(dtype_name)
   act, params, h0, x = ut_act(batch, d, dtype, heads=heads, tokens=tokens, mlp=mlp)
-  kw = dict(max_iters=act.max_steps, halt=act.halt)
+  kw = dict(max_iters=act.max_iters, halt=act.halt)
   run = lambda it, **extra: (lambda p: it(act.step, p, h0, x, **kw, **extra))
   impl = {"options": pallas_loop.Options(implementation=implementation)}
   if what == "forward":

@@ -7,9 +7,10 @@ The DEQ layer of `examples/deq_training.py` (h = tanh(h W + x U + b), W of
 spectral radius 1.2: not a contraction) for a batch of rows, each row its own
 fixed-point problem:
 
-  deq.Anderson      pallas_loop.deq.fixed_point, Anderson(m=5), XLA loop,
-                    ImplicitAdjoint (Anderson adjoint), each row halting on
-                    rms(f(h) - h) <= tol
+  deq.Broyden       pallas_loop.deq.fixed_point, Broyden(m=20) (the default),
+                    XLA loop, ImplicitAdjoint (Broyden adjoint), each row
+                    halting on rms(f(h) - h) <= tol
+  deq.Anderson      the same with Anderson(m=5)
   optx.Newton       jax.vmap over rows of optimistix.fixed_point with Newton
                     and ImplicitAdjoint (the while loop under vmap runs until
                     the slowest row is done)
@@ -65,13 +66,13 @@ def make_problem(rows: int, dim: int = 32, radius: float = 1.2, seed: int = 0):
   return params, x, g
 
 
-def ours(tol: float, max_steps: int):
+def ours(tol: float, max_steps: int, solver: deq.Solver):
   """Forward (h*, steps per row, converged) with pallas_loop.deq."""
 
   def solve(params, x):
     h0 = jnp.zeros((x.shape[0], params["w"].shape[0]))
     h, info = deq.fixed_point(layer, params, h0, x,
-                              solver=deq.Anderson(m=5), tol=tol, max_steps=max_steps,
+                              solver=solver, tol=tol, max_iters=max_steps,
                               on_failure="ignore", return_info=True,
                               options=pallas_loop.Options(implementation="xla"))
     return h, info.steps, info.converged
@@ -100,7 +101,8 @@ def run(rows: int = 256, dim: int = 32, repeats: int = 20, tol: float = 1e-5,
         max_steps: int = 100) -> list[dict]:
   """Times every solver on the same problem; returns one dict per solver."""
   params, x, g = make_problem(rows, dim)
-  solvers = {"deq.Anderson": ours(tol, max_steps),
+  solvers = {"deq.Broyden": ours(tol, max_steps, deq.Broyden()),
+             "deq.Anderson": ours(tol, max_steps, deq.Anderson(m=5)),
              "optx.Newton": optimistix_solver("optx.Newton", tol, max_steps),
              "optx.FixedPoint": optimistix_solver("optx.FixedPoint", tol, max_steps)}
   results = []

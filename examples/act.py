@@ -144,8 +144,8 @@ def token_batch(key, batch, seq):
 
 
 def act_forward(block, params, s0, x, args, iterate=pallas_loop.iterate):
-  a = halting.act(block, max_steps=args.max_steps, eps=args.eps)
-  return iterate(a.step, params, a.init(params, s0, x), x, max_iters=a.max_steps,
+  a = halting.act(block, max_iters=args.max_steps, eps=args.eps)
+  return iterate(a.step, params, a.init(params, s0, x), x, max_iters=a.max_iters,
                  halt=a.halt)
 
 
@@ -189,10 +189,10 @@ def check_against_oracle(block, params, batch_fn, args, iterate):
   """max |output - oracle| and whether N agrees, the oracle being reference.iterate
   (a masked lax.scan over max_steps) with the same ACT step and halt."""
   s0, x, _ = batch_fn(jax.random.key(args.seed + 1))
-  a = halting.act(block, max_steps=args.max_steps, eps=args.eps)
+  a = halting.act(block, max_iters=args.max_steps, eps=args.eps)
   h0 = a.init(params, s0, x)
-  got = iterate(a.step, params, h0, x, max_iters=a.max_steps, halt=a.halt)
-  want = reference.iterate(a.step, params, h0, x, max_iters=a.max_steps, halt=a.halt)
+  got = iterate(a.step, params, h0, x, max_iters=a.max_iters, halt=a.halt)
+  want = reference.iterate(a.step, params, h0, x, max_iters=a.max_iters, halt=a.halt)
   return (float(jnp.max(jnp.abs(got.output - want.output))),
           bool(jnp.all(got.steps == want.steps)))
 
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
   args.max_steps, args.eps, args.tau, args.lr = 10, 0.01, 1e-3, 3e-3
   iterate = functools.partial(pallas_loop.iterate,
                               options=pallas_loop.Options(implementation=args.implementation))
-  print(f"ACT: max_steps M={args.max_steps}, eps={args.eps}, ponder weight tau={args.tau}; "
+  print(f"ACT: max_iters M={args.max_steps}, eps={args.eps}, ponder weight tau={args.tau}; "
         f"Adam lr {args.lr}, batch {args.batch}, {args.steps} steps per part; "
         f"{jax.devices()[0].platform.upper()}")
   print(f"\n1. per example: parity of {args.length}-entry vectors (one row = one example)")

@@ -1,22 +1,26 @@
 """Deep equilibrium layers: per-row fixed-point solvers with implicit gradients of the map.
 
-`fixed_point(f, params, h0, x, solver=..., tol=..., max_steps=...)` solves
+`fixed_point(f, params, h0, x, solver=..., tol=..., max_iters=...)` solves
 h = f(params, h, x) for each row with an accelerated solver, each row halting
 on its own residual (one `pallas_loop.iterate` call), and differentiates the
 map f at the solution (`ImplicitAdjoint`, the default), whatever solver found
-it. Rows that do not converge, in the forward or the adjoint solve, are
-reported (`on_failure`: a warning by default, or an error, or NaN rows). The
-recipe, the solvers and the measured figures: the docs' "Deep equilibrium
+it. With `key=`, f gets one key per row, fixed through the solve. Rows that
+do not converge, in the forward or the adjoint solve, are reported
+(`on_failure`: one warning per call site by default, or an error, or NaN
+rows) and counted without host callbacks (`return_info`, `adjoint_probe`).
+The recipe, the solvers and the measured figures: the docs' "Deep equilibrium
 models" page.
 
-Solvers: `Anderson(m)` (the default), `Damped(beta)`, or a subclass of
+Solvers: `Broyden(m)` (the default), `Anderson(m)`, `Damped(beta)`, their
+names as strings ("broyden", "anderson", "damped"), or a subclass of
 `Solver` with its own state.
 """
 
 from pallas_loop._src.deq_solve import (ImplicitAdjoint, NonConvergenceError,
                                         NonConvergenceWarning, SolveInfo, UnrolledAdjoint,
-                                        fixed_point)
-from pallas_loop._src.deq_solvers import Anderson, Damped, Solver
+                                        adjoint_probe, fixed_point)
+from pallas_loop._src.deq_solvers import Anderson, Broyden, Damped, Solver
 
-__all__ = ["Anderson", "Damped", "ImplicitAdjoint", "NonConvergenceError",
-           "NonConvergenceWarning", "SolveInfo", "Solver", "UnrolledAdjoint", "fixed_point"]
+__all__ = ["Anderson", "Broyden", "Damped", "ImplicitAdjoint", "NonConvergenceError",
+           "NonConvergenceWarning", "SolveInfo", "Solver", "UnrolledAdjoint", "adjoint_probe",
+           "fixed_point"]

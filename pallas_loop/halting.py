@@ -10,12 +10,15 @@ the other common cases.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import jax
 from jax import tree_util
 import jax.numpy as jnp
+import numpy as np
 
+from pallas_loop._src import keywords
 from pallas_loop._src import loop as loop_lib
 
 Criterion = Callable[[Any, Any, Any, Any], jax.Array]
@@ -187,16 +190,36 @@ class ACT(NamedTuple):
   Attributes:
     init: init(params, state0, x) -> ACTState, the initial state (zero
       output, probabilities and counters, nothing halted).
-    step: the step for `iterate`: step(params, h: ACTState, x) -> ACTState.
+    step: the step for `iterate`: step(params, h: ACTState, x, **extras) ->
+      ACTState; it hands iterate's keyword extras (`index`, `key`) to the
+      block.
     halt: the criterion for `iterate(..., halt=...)`: a row halts once all
       of its units have.
-    max_steps: the cap M; pass it as `iterate`'s `max_iters`.
+    max_iters: the cap M; pass it as `iterate`'s `max_iters`.
+    step_index: whether the block takes the step index (`index`, e.g. untied
+      per-step layers); pass it as `iterate`'s `step_index`.
   """
 
   init: Callable[[Any, Any, Any], ACTState]
-  step: Callable[[Any, ACTState, Any], ACTState]
+  step: Callable[..., ACTState]
   halt: Criterion
-  max_steps: int
+  max_iters: int
+  step_index: bool = False
+
+  @property
+  def max_steps(self) -> int:
+    raise AttributeError("ACT.max_steps is now spelled ACT.max_iters (as iterate's "
+                         "max_iters): iterate(a.step, ..., max_iters=a.max_iters).")
+
+
+def _keyword_params(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+  """The parameters of `fn` that a keyword can fill, by name ({} if unknown)."""
+  try:
+    sig = inspect.signature(fn)
+  except (TypeError, ValueError):  # builtins, some C callables
+    return {}
+  return {name: p for name, p in sig.parameters.items()
+          if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def _expand_to(a: jax.Array, ndim: int) -> jax.Array:
@@ -212,15 +235,23 @@ def _row_all(flags: jax.Array) -> jax.Array:
   return a > 0
 
 
-def act(block: Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]], *,
-        max_steps: int, eps: float = 0.01) -> ACT:
+@keywords.renamed(max_steps="max_iters")
+def act(block: Callable[..., tuple[Any, Any, jax.Array]], *,
+        max_iters: int, eps: float = 0.01) -> ACT:
   """Adaptive Computation Time (Graves 2016) as a step and a halt for `iterate`.
 
-  `block(params, state, x) -> (state_new, y, p)` is one ponder step (the
-  same parameters every step: tied layers): the new state, the step's output
-  `y` (a pytree, leaves [R, *U, ...]) and the halting probability
-  `p = h_n` in [0, 1] (float [R, *U], e.g. a sigmoid of `state_new`),
-  with U = () for one halting decision per row or U = (T,) for one per token.
+  `block(params, state, x) -> (state_new, y, p)` is one ponder step: the
+  new state, the step's output `y` (a pytree, leaves [R, *U, ...]) and the
+  halting probability `p = h_n` in [0, 1] (float [R, *U], e.g. a sigmoid of
+  `state_new`), with U = () for one halting decision per row or U = (T,) for
+  one per token. With the same parameters every step the layers are tied;
+  a block with an `index` parameter, `block(params, state, x, *, index)`,
+  gets the step index (0 for step n = 1, an int32 scalar shared by the
+  call's rows) and can read per-step layers from a stack, `params[index]`
+  (untied layers, e.g. Scenic's Universal Transformer with
+  `share_parameters=False`); run it with `iterate(..., step_index=True)`
+  (`ACT.step_index` says so). A block with a `key` parameter gets
+  iterate's per-row keys (`iterate(..., key=...)`, see `pallas_loop.random`).
 
   The rule is the paper's: a unit applies steps n = 1, 2,
   ... and stops after step `N = min(M, min{n : sum_{m<=n} h_m >= 1 - eps})`;
@@ -233,41 +264,75 @@ def act(block: Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]], *,
   interpolated output, no remainder at the cap): see the docs' ACT page.
 
   Args:
-    block: block(params, state, x) -> (state_new, y, p); row-wise like any
-      step of `iterate` (units inside a row may mix, e.g. attention over the
-      row's tokens).
-    max_steps: M >= 1, the most steps a unit may take.
+    block: block(params, state, x) -> (state_new, y, p), optionally with the
+      keyword parameters `index` and `key`; row-wise like any step of
+      `iterate` (units inside a row may mix, e.g. attention over the row's
+      tokens).
+    max_iters: M >= 1, the most steps a unit may take (before 0.3:
+      `max_steps`, which now raises a TypeError naming this one).
     eps: the paper's epsilon, 0 <= eps < 1 (0.01 in the paper): a unit may
       halt after one step when `h_1 >= 1 - eps`.
 
   Returns:
-    An `ACT`: `init`, `step`, `halt` and `max_steps` for `iterate`. The
-    result's `output`, `ponder_cost`, `steps` (N) and `remainder` (R) are
-    ACT's outputs.
+    An `ACT`: `init`, `step`, `halt`, `max_iters` and `step_index` for
+    `iterate`. The result's `output`, `ponder_cost`, `steps` (N) and
+    `remainder` (R) are ACT's outputs.
 
   Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop
     >>> def block(w, s, x):
     ...   s = jnp.tanh(s @ w + x)
     ...   return s, s, jax.nn.sigmoid(s.sum(-1))     # state, y, h_n
-    >>> a = pallas_loop.halting.act(block, max_steps=5, eps=0.01)
+    >>> a = pallas_loop.halting.act(block, max_iters=5, eps=0.01)
     >>> w, x = 0.5 * jnp.eye(3), jnp.array([[2.0] * 3, [-3.0] * 3])
     >>> h0 = a.init(w, jnp.zeros((2, 3)), x)
-    >>> h = pallas_loop.iterate(a.step, w, h0, x, max_iters=a.max_steps,
+    >>> h = pallas_loop.iterate(a.step, w, h0, x, max_iters=a.max_iters,
     ...                         halt=a.halt)
     >>> import numpy as np
     >>> print(h.steps, np.round(np.asarray(h.ponder_cost), 3))   # N, N + R
     [2 5] [2.053 5.809]
+
+    Untied layers: a stack of 5 weights, the block reads its step's.
+
+    >>> def untied(ws, s, x, *, index):
+    ...   s = jnp.tanh(s @ ws[index] + x)
+    ...   return s, s, jax.nn.sigmoid(s.sum(-1))
+    >>> a = pallas_loop.halting.act(untied, max_iters=5)
+    >>> ws = jnp.stack([0.5 * jnp.eye(3)] * 5)
+    >>> h = pallas_loop.iterate(a.step, ws, a.init(ws, jnp.zeros((2, 3)), x), x,
+    ...                         max_iters=a.max_iters, halt=a.halt, step_index=a.step_index)
+    >>> print(a.step_index, h.steps)
+    True [2 5]
   """
-  max_steps = int(max_steps)
-  if max_steps < 1:
-    raise ValueError(f"{max_steps=} must be >= 1: ACT applies at least one step.")
+  if isinstance(max_iters, bool) or not isinstance(max_iters, (int, np.integer)):
+    raise TypeError(f"{max_iters=} must be a Python int >= 1 (static: the loop's budget).")
+  max_iters = int(max_iters)
+  if max_iters < 1:
+    raise ValueError(f"{max_iters=} must be >= 1: ACT applies at least one step.")
   if not 0.0 <= eps < 1.0:
     raise ValueError(f"{eps=} must be in [0, 1): a unit halts once sum h_n >= 1 - eps.")
   threshold = 1.0 - eps
+  takes = _keyword_params(block)
+  step_index = "index" in takes
+  needs_index = step_index and takes["index"].default is inspect.Parameter.empty
+
+  def call_block(params: Any, state: Any, x: Any, extras: dict[str, Any]):
+    if needs_index and "index" not in extras:
+      raise TypeError(
+          "block takes the step index (`index`, e.g. per-step layers read as "
+          "params[index]) but iterate did not pass it: run iterate(act.step, ..., "
+          "step_index=True) (ACT.step_index is True for this block).")
+    return block(params, state, x, **extras)
 
   def init(params: Any, state0: Any, x: Any) -> ACTState:
-    _, y, p = jax.eval_shape(block, params, state0, x)
+    rows = tree_util.tree_leaves(state0)[0].shape[0]
+    probe: dict[str, Any] = {}
+    if step_index:
+      probe["index"] = jax.ShapeDtypeStruct((), jnp.int32)
+    if "key" in takes:
+      probe["key"] = jax.ShapeDtypeStruct((rows, 2), jnp.uint32)
+    _, y, p = jax.eval_shape(lambda p_, s_, x_, kw: block(p_, s_, x_, **kw),
+                             params, state0, x, probe)
     zeros = lambda s: jnp.zeros(s.shape, s.dtype)
     return ACTState(state=state0, output=tree_util.tree_map(zeros, y),
                     cum_prob=jnp.zeros(p.shape, jnp.float32),
@@ -275,12 +340,12 @@ def act(block: Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]], *,
                     steps=jnp.zeros(p.shape, jnp.int32),
                     halted=jnp.zeros(p.shape, jnp.bool_))
 
-  def step(params: Any, h: ACTState, x: Any) -> ACTState:
-    state_new, y, p = block(params, h.state, x)
+  def step(params: Any, h: ACTState, x: Any, **extras: Any) -> ACTState:
+    state_new, y, p = call_block(params, h.state, x, extras)
     p = p.astype(jnp.float32).reshape(h.cum_prob.shape)
     active = jnp.logical_not(h.halted)
     steps = jnp.where(active, h.steps + 1, h.steps)
-    last = active & ((h.cum_prob + p >= threshold) | (steps >= max_steps))
+    last = active & ((h.cum_prob + p >= threshold) | (steps >= max_iters))
     remainder = jnp.where(last, 1.0 - h.cum_prob, h.remainder)
     weight = jnp.where(last, remainder, p)        # w_n: h_n, or R on the last step
     cum_prob = jnp.where(active & jnp.logical_not(last), h.cum_prob + p, h.cum_prob)
@@ -301,4 +366,4 @@ def act(block: Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]], *,
     del params, h, x
     return _row_all(h_new.halted)
 
-  return ACT(init=init, step=step, halt=halt, max_steps=max_steps)
+  return ACT(init=init, step=step, halt=halt, max_iters=max_iters, step_index=step_index)

@@ -49,6 +49,7 @@ from pallas_loop._src import iterate as iterate_lib
 from pallas_loop._src import kernel_backward
 from pallas_loop._src import kernel_forward
 from pallas_loop._src import options as options_lib
+from pallas_loop._src import row_checks
 from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src import tiling
 from pallas_loop._src import validation
@@ -528,7 +529,12 @@ def check_row_independence(
 
   Checks 2 and 3 use the per-dtype tolerances of `default_tolerance` (the
   summation order of a matmul may depend on a row's position); check 1 is
-  exact.
+  exact. 4. The step's jaxpr at the batch shape passes the trace-time check
+  `iterate` runs (no reduction, contraction, slice or sort over the rows; no
+  random bits drawn over the rows from a key shared by every row). That one
+  does not depend on the values of `h`: it catches, say, a dropout mask
+  drawn from a closed-over key even at `h = 0`, where checks 1-3 see
+  nothing (such a mask is reported first, whatever `h`).
 
   Args:
     step: `step(params, h, x) -> h_new`, as for `pallas_loop.iterate`.
@@ -566,6 +572,16 @@ def check_row_independence(
     raise ValueError(f"h has {batch} row(s); row independence needs at least 2 rows.")
   step_fn_lib.check_step_output(
       jax.eval_shape(step, params, h, x), h)
+  # 0. What the jaxpr shows, whatever the values (e.g. h = 0): random bits
+  # drawn over the rows from a shared key are reported at once; another
+  # structural problem after the numerical checks, which name the rows.
+  structural = None
+  try:
+    row_checks.check_step_jaxpr(jax.make_jaxpr(step)(params, h, x), params, h, x)
+  except row_checks.SharedKeyError as e:
+    raise AssertionError(str(e)) from e
+  except row_checks.RowMixingError as e:
+    structural = e
   key = jax.random.key(0) if key is None else key
   k_perm, k_sub, k_row, k_noise = jax.random.split(key, 4)
   run = jax.jit(step)
@@ -624,6 +640,10 @@ def check_row_independence(
     raise AssertionError(
         f"step on a subset of {len(sub)} rows gave those rows a different output "
         "than on the whole batch:\n  " + "\n  ".join(lines) + "\n" + _MIXING_HINT)
+
+  # 4. What the jaxpr shows that these values did not.
+  if structural is not None:
+    raise AssertionError(str(structural)) from structural
 
 
 # --- Compiling for the accelerators without one --------------------------------
@@ -730,7 +750,12 @@ def check_compiles(
   here, and on the chip.
 
   Args:
-    step, params, h0, x, iters, max_iters: as for `pallas_loop.iterate`.
+    step: the step, as for `pallas_loop.iterate`.
+    params: its parameters.
+    h0: the initial state.
+    x: the per-row inputs (or None).
+    iters: the per-row counts (or None: every row `max_iters`).
+    max_iters: the counts' static bound.
     grads: the gradient modes to check ("full", `Truncated(k)`,
       `Implicit()`, `Phantom(k)`); () checks the forward only.
     targets: among "tpu" and "gpu".
@@ -749,7 +774,7 @@ def check_compiles(
       rules should have declined what the compiler cannot take; please
       report it), with the report.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, pallas_loop
     >>> step = lambda w, h, x: jnp.tanh(h @ w + x)
     >>> w, h0, x = 0.5 * jnp.eye(128), jnp.zeros((256, 128)), jnp.ones((256, 128))

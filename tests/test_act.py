@@ -20,6 +20,7 @@ import pytest
 
 import pallas_loop
 from pallas_loop import halting
+from pallas_loop import _reference as reference
 
 D, DX, K, T = 8, 4, 3, 5
 IMPLS = {"xla": pallas_loop.Options(implementation="xla"),
@@ -64,8 +65,9 @@ def make_inputs(per_token, batch, seed=1):
 # ---------------------------------------------------------------------------
 
 
-def oracle_forward(block, params, s0, x, max_steps, eps):
+def oracle_forward(block, params, s0, x, max_steps, eps, indexed=False):
   """Each example alone, step by step; Graves' rule applied unit by unit in numpy.
+  With `indexed`, step n calls block(..., index=n - 1) (untied layers).
 
   Returns (output, ponder N + R, N), stacked over examples.
   """
@@ -82,7 +84,8 @@ def oracle_forward(block, params, s0, x, max_steps, eps):
     for n in range(1, max_steps + 1):
       if halted.all():
         break
-      s_new, y, p = block(params, jnp.asarray(s), x[i:i + 1])
+      kw = dict(index=jnp.int32(n - 1)) if indexed else {}
+      s_new, y, p = block(params, jnp.asarray(s), x[i:i + 1], **kw)
       s_new, y, p = np.asarray(s_new)[0], np.asarray(y)[0], np.asarray(p, np.float32)[0]
       out = np.zeros_like(y) if out is None else out
       for u in np.ndindex(units):
@@ -103,7 +106,7 @@ def oracle_forward(block, params, s0, x, max_steps, eps):
   return np.stack(outs), np.stack(ponders), np.stack(counts)
 
 
-def oracle_masked(block, params, s0, x, max_steps, eps):
+def oracle_masked(block, params, s0, x, max_steps, eps, indexed=False):
   """Fixed-length jnp loop over all M steps with masks (differentiable)."""
   s = s0
   units = s0.shape[:-1]
@@ -113,7 +116,7 @@ def oracle_masked(block, params, s0, x, max_steps, eps):
   halted = jnp.zeros(units, bool)
   out = 0.0
   for n in range(1, max_steps + 1):
-    s_new, y, p = block(params, s, x)
+    s_new, y, p = block(params, s, x, **(dict(index=n - 1) if indexed else {}))
     running = ~halted
     stop = running & ((cum + p >= 1.0 - eps) | (n == max_steps))
     weight = jnp.where(stop, 1.0 - cum, jnp.where(running, p, 0.0))
@@ -127,9 +130,9 @@ def oracle_masked(block, params, s0, x, max_steps, eps):
 
 
 def run_act(block, params, s0, x, max_steps, eps, impl, block_rows=None, **kw):
-  a = halting.act(block, max_steps=max_steps, eps=eps)
+  a = halting.act(block, max_iters=max_steps, eps=eps)
   h0 = a.init(params, s0, x)
-  return pallas_loop.iterate(a.step, params, h0, x, max_iters=a.max_steps, halt=a.halt, **kw,
+  return pallas_loop.iterate(a.step, params, h0, x, max_iters=a.max_iters, halt=a.halt, **kw,
                              options=IMPLS[impl].replace(block_rows=block_rows))
 
 
@@ -264,10 +267,110 @@ def test_token_halting_is_a_mask_inside_the_row():
 
 
 def test_invalid_arguments():
-  with pytest.raises(ValueError, match="max_steps=0 must be >= 1"):
-    halting.act(example_block, max_steps=0)
+  with pytest.raises(ValueError, match="max_iters=0 must be >= 1"):
+    halting.act(example_block, max_iters=0)
   with pytest.raises(ValueError, match=r"eps=1.0 must be in \[0, 1\)"):
-    halting.act(example_block, max_steps=3, eps=1.0)
+    halting.act(example_block, max_iters=3, eps=1.0)
+  # One vocabulary with iterate: the old keyword names the new one.
+  with pytest.raises(TypeError, match=r"act\(\) got max_steps=3: the keyword is now spelled "
+                     r"max_iters \(as in pallas_loop.iterate\): act\(\.\.\., max_iters=3\)"):
+    halting.act(example_block, max_steps=3)
+  with pytest.raises(AttributeError, match=r"ACT.max_steps is now spelled ACT.max_iters"):
+    halting.act(example_block, max_iters=3).max_steps
+
+
+# ---------------------------------------------------------------------------
+# Untied layers: a stack of per-step weights read with the step index
+# ---------------------------------------------------------------------------
+
+
+def untied_block(p, s, x, *, index):
+  """Scenic's Universal Transformer with share_parameters=False, in small: step n
+  (index n - 1) has its own W, read from a stack of M."""
+  s_new = jnp.tanh(s @ p["Ws"][index] + x @ p["U"] + p["b"])
+  return s_new, s_new @ p["V"], jax.nn.sigmoid(s_new @ p["wh"] + p["bh"])
+
+
+def _untied_params(max_steps, seed=0):
+  params = make_params(seed)
+  k = jax.random.split(jax.random.key(seed + 100), max_steps)
+  params["Ws"] = jnp.stack([0.4 * jax.random.normal(kk, (D, D)) for kk in k])
+  return params
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_untied_layers_forward_and_gradient(request, impl):
+  """act passes the step index to a block that asks for it: the forward matches the
+  step-by-step oracle and the library's reference, the gradient reaches every layer
+  of the stack that some row used, against the masked-loop oracle. (Interpret mode
+  applies the TPU's rules, which decline the untied backward, `params[index]`'s
+  VJP; as in tests/test_step_index.py, the kernel's logic is checked here with those
+  rules lifted.)"""
+  if impl == "pallas":
+    request.getfixturevalue("tpu_step_rules_lifted")
+  max_steps, eps, tau = 6, 0.01, 0.1
+  params = _untied_params(max_steps)
+  s0, x = make_inputs(False, batch=11)
+  a = halting.act(untied_block, max_iters=max_steps, eps=eps)
+  assert a.step_index and a.max_iters == max_steps
+  h0 = a.init(params, s0, x)
+  h = pallas_loop.iterate(a.step, params, h0, x, max_iters=a.max_iters, halt=a.halt,
+                          step_index=a.step_index, options=IMPLS[impl].replace(block_rows=4))
+  want_out, want_ponder, want_n = oracle_forward(untied_block, params, s0, x, max_steps, eps,
+                                                 indexed=True)
+  np.testing.assert_array_equal(np.asarray(h.steps), want_n)
+  assert want_n.min() <= 2 and want_n.max() == max_steps, want_n
+  np.testing.assert_allclose(np.asarray(h.ponder_cost), want_ponder, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(h.output), want_out, rtol=1e-5, atol=1e-6)
+  ref = reference.iterate(a.step, params, h0, x, max_iters=a.max_iters, halt=a.halt,
+                          step_index=True)
+  np.testing.assert_allclose(np.asarray(h.output), np.asarray(ref.output), rtol=1e-6, atol=1e-6)
+  # A tied run of the same stack's first layer differs: the index is used.
+  tied = lambda p, s, x_: untied_block(p, s, x_, index=0)
+  a_tied = halting.act(tied, max_iters=max_steps, eps=eps)
+  assert not a_tied.step_index
+  h_tied = pallas_loop.iterate(a_tied.step, params, h0, x, max_iters=max_steps, halt=a_tied.halt)
+  assert not np.allclose(np.asarray(h_tied.output), want_out, atol=1e-3)
+
+  c = _cotangent(s0)
+
+  def loss(params):
+    h = pallas_loop.iterate(a.step, params, a.init(params, s0, x), x, max_iters=a.max_iters,
+                            halt=a.halt, step_index=True, options=IMPLS[impl].replace(block_rows=4))
+    return jnp.sum(h.output * c) + tau * jnp.sum(h.ponder_cost)
+
+  def loss_oracle(params):
+    out, ponder = oracle_masked(untied_block, params, s0, x, max_steps, eps, indexed=True)
+    return jnp.sum(out * c) + tau * jnp.sum(ponder)
+
+  got, want = jax.jit(jax.grad(loss))(params), jax.grad(loss_oracle)(params)
+  for g, w, path in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                        jax.tree_util.tree_flatten_with_path(want)[0]):
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6, err_msg=str(path[0]))
+  used = np.abs(np.asarray(got["Ws"])).sum(axis=(1, 2)) > 0
+  assert used.tolist() == [True] * max_steps, used
+
+
+def test_untied_block_without_step_index_says_how():
+  params = _untied_params(4)
+  s0, x = make_inputs(False, batch=3)
+  a = halting.act(untied_block, max_iters=4)
+  with pytest.raises(TypeError, match=r"block takes the step index \(`index`.*\) but iterate "
+                     r"did not pass it: run iterate\(act.step, \.\.\., step_index=True\)"):
+    pallas_loop.iterate(a.step, params, a.init(params, s0, x), x, max_iters=4, halt=a.halt)
+
+
+def test_keyed_block_gets_the_per_row_keys():
+  """A block with a `key` parameter gets iterate's per-row keys (stochastic ACT)."""
+  def block(p, s, x, *, key):
+    s_new, y, h = example_block(p, s, x)
+    return pallas_loop.random.dropout(key, s_new, 0.5), y, h
+  params, (s0, x) = make_params(), make_inputs(False, batch=5)
+  a = halting.act(block, max_iters=4)
+  run = lambda k: pallas_loop.iterate(a.step, params, a.init(params, s0, x), x, max_iters=4,
+                                      halt=a.halt, key=k).state
+  np.testing.assert_array_equal(run(jax.random.key(1)), run(jax.random.key(1)))
+  assert not np.allclose(run(jax.random.key(1)), run(jax.random.key(2)))
 
 
 # ---------------------------------------------------------------------------
@@ -354,11 +457,11 @@ def test_kernels_lower(platform, case):
   block = wide_example_block if case == "per_example" else wide_token_block
   lead = (batch,) if case == "per_example" else (batch, tokens)
   s0, x = jnp.zeros(lead + (width,)), jnp.ones(lead + (width,))
-  a = halting.act(block, max_steps=8)
+  a = halting.act(block, max_iters=8)
   h0 = a.init(params, s0, x)
 
   def loss(params, h0, x):
-    h = pallas_loop.iterate(a.step, params, h0, x, max_iters=a.max_steps, halt=a.halt,
+    h = pallas_loop.iterate(a.step, params, h0, x, max_iters=a.max_iters, halt=a.halt,
                             options=pallas_loop.Options(implementation="pallas", interpret=False))
     return jnp.sum(h.output) + jnp.sum(h.ponder_cost)
 

@@ -249,3 +249,15 @@ def test_ladder_sweep_runs_on_the_smoke_suite(capsys):
                       "--suite", "smoke"]) == 0
   out = capsys.readouterr().out
   assert "MISMATCH" not in out and out.count("\n") >= 3
+
+
+def test_deq_solvers_table(capsys):
+  """benchmarks/deq_solvers.py runs and prints its table (one map, two solvers)."""
+  from benchmarks import deq_solvers
+  assert deq_solvers.main(["--maps", "collinear", "--solvers", "Damped(1.0),Broyden(20)",
+                           "--repeats", "1", "--max-iters", "10"]) == 0
+  out = capsys.readouterr().out
+  assert "python -m benchmarks.deq_solvers --tol 1e-06 --max-iters 10 --repeats 1" in out
+  rows = [line.split() for line in out.splitlines() if line.startswith("collinear")]
+  assert [r[1] for r in rows] == ["Damped(1.0)", "Broyden(20)"]
+  assert rows[1][2] == "16/16" and rows[1][3] == "3/3/3" and rows[0][2] == "0/16"

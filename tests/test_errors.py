@@ -448,3 +448,12 @@ def test_auto_falls_back_on_randomness_the_kernels_cannot_lower(platform, case):
   with pytest.warns(UserWarning, match=f"cannot run this step.*{reason}.*using the XLA"):
     text = lowering.export_text(jax.grad(f), 0.5, jnp.ones((16, 128)), platform=platform)
   assert lowering.kernel_marker(platform) not in text
+
+
+def test_step_index_error_speaks_of_the_index():
+  with pytest.raises(TypeError) as excinfo:
+    pallas_loop.iterate(lambda p, h, x: h, None, H0, max_iters=2, step_index=True)
+  message = str(excinfo.value)
+  assert message.startswith("step must accept `index` as a keyword argument: with "
+                            "step_index=True, iterate calls step(params, h, x, index=t)"), message
+  assert not re.search(r"\bkey\b", message), message

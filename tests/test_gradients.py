@@ -122,7 +122,7 @@ def test_grad_of_vmap_over_a_closed_over_array(impl, mode):
   def one(p, h, x_, b, k):
     closing = lambda p_, h_, xx: 0.5 * step(p_, h_, xx) + 0.1 * jnp.tanh(b)
     out = pallas_loop.iterate(closing, p, h[None], x_[None], iters=k, max_iters=4, grad=mode,
-                              **cases.IMPLEMENTATIONS[impl])
+                              options=cases.IMPLEMENTATIONS[impl])
     return jnp.sum(jnp.sin(out))
 
   batch_loss = lambda p: jnp.sum(jax.vmap(one, (None, 0, 0, 0, 0))(p, h0, x, bias, n))

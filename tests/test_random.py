@@ -560,3 +560,88 @@ def test_reference_row_gets_key_of_its_row_and_step():
 def test_reference_rejects_a_bad_key():
   with pytest.raises(TypeError, match=r"jax.random.key\(seed\)"):
     reference.iterate(_ref_dropout(0.1), None, jnp.ones((4, 8)), iters=2, max_iters=2, key=0)
+
+
+# ---------------------------------------------------------------------------
+# Random bits over the rows from a key shared by every row: refused at trace
+# time (a row's bits would be those of its position in the tile or group).
+
+_SHARED = jax.random.PRNGKey(7)
+
+
+def _closed_over_dropout(p, h, x):       # deq-jax's block, hk.dropout's draw
+  out = jnp.tanh(h @ p + x)
+  return jnp.where(jax.random.bernoulli(_SHARED, 0.9, out.shape), out / 0.9, 0.0)
+
+
+def _key_in_params(p, h, x):
+  return jnp.tanh(h @ p["w"] + x) + 0.1 * jax.random.normal(p["key"], h.shape)
+
+
+def _noise_as_state(p, h, x):
+  return jax.random.uniform(_SHARED, h.shape)
+
+
+_SHARED_KEY_MESSAGE = (r"^step draws random bits over the row axis from a key shared by every "
+                       r"row \(random_bits at .*test_random.py:\d+.*uint32\[16, 8\]; (combined "
+                       r"with the state by (select_n|add) at .*test_random.py:\d+.*|returned as a "
+                       r"state leaf)\): draw from per-row keys instead: pass key= to iterate "
+                       r"\(or to deq.fixed_point\) and draw with pallas_loop.random")
+
+
+@pytest.mark.parametrize("h0_value", [0.0, 1.0])
+@pytest.mark.parametrize("step,params", [
+    (_closed_over_dropout, jnp.eye(8)),
+    (_key_in_params, {"w": jnp.eye(8), "key": jax.random.key(3)}),
+    (_noise_as_state, None),
+])
+def test_shared_key_draws_over_rows_are_refused(step, params, h0_value):
+  h0 = jnp.full((16, 8), h0_value)
+  for implementation in ("xla", "pallas"):
+    with pytest.raises(ValueError, match=_SHARED_KEY_MESSAGE):
+      pallas_loop.iterate(step, params, h0, jnp.ones((16, 8)), max_iters=3,
+                          options=pallas_loop.Options(implementation=implementation))
+
+
+def test_flax_dropout_with_a_module_rng_is_refused():
+  nn = pytest.importorskip("flax.linen")
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, x):
+      return nn.Dropout(0.1, deterministic=False)(jnp.tanh(nn.Dense(8)(h) + x))
+
+  block, h0, x = Block(), jnp.zeros((16, 8)), jnp.ones((16, 8))
+  params = block.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, h0, x)
+  rng = jax.random.key(2)
+  step = lambda p, h, x_: block.apply(p, h, x_, rngs={"dropout": rng})
+  with pytest.raises(ValueError, match=r"^step draws random bits over the row axis .*called "
+                     r"from .*test_random.py:\d+"):
+    pallas_loop.iterate(step, params, h0, x, max_iters=2)
+  # The legal spelling: per-example, the row's own key as the module's rng.
+  per_row = lambda p, h, x_, key: block.apply(p, h, x_, rngs={"dropout": jax.random.wrap_key_data(key)})
+  out = pallas_loop.iterate(per_row, params, h0, x, max_iters=2, key=rng, per_example=True)
+  assert out.shape == h0.shape
+
+
+def test_draws_that_do_not_run_over_rows_pass():
+  # Shared noise over the features (the same for every row, whatever the tile),
+  # and jax.random on each row's own key in a per-example step.
+  shared = lambda p, h, x: h * 0.5 + 0.01 * jax.random.normal(_SHARED, h.shape[1:])
+  out = pallas_loop.iterate(shared, None, jnp.ones((8, 8)), max_iters=2)   # D == B
+  assert out.shape == (8, 8)
+  from pallas_loop._src import row_checks
+  step = jax.vmap(lambda h, k: h + jax.random.normal(jax.random.wrap_key_data(k), h.shape))
+  closed = jax.make_jaxpr(lambda p, h, x, k: step(h, k))(None, jnp.ones((16, 8)), None,
+                                                         jnp.ones((16, 2), jnp.uint32))
+  analysis = row_checks.check_step_jaxpr(closed, None, jnp.ones((16, 8)), None)
+  assert analysis.outputs == [row_checks.Row(0)] and not analysis.unknown_primitives
+
+
+def test_check_row_independence_sees_a_shared_key_mask_at_h_zero():
+  """The numerical checks see nothing at h = 0 (the mask multiplies zeros); the
+  jaxpr check does, and says what to do."""
+  step = lambda p, h, x: jnp.where(jax.random.bernoulli(_SHARED, 0.9, h.shape), h / 0.9, 0.0)
+  with pytest.raises(AssertionError, match=r"^step draws random bits over the row axis from a "
+                     r"key shared by every row"):
+    pallas_loop.testing.check_row_independence(step, None, jnp.zeros((16, 8)))

@@ -49,10 +49,10 @@ def _problem():
 
 
 def _act(**kw):
-  a = halting.act(_token_block, max_steps=8)
+  a = halting.act(_token_block, max_iters=8)
 
   def f(p, s0, x):
-    return pallas_loop.iterate(a.step, p, a.init(p, s0, x), x, max_iters=a.max_steps,
+    return pallas_loop.iterate(a.step, p, a.init(p, s0, x), x, max_iters=a.max_iters,
                                halt=a.halt, **kw).output
   return f
 

@@ -12,23 +12,34 @@ the adjoint fixed point u = g + u df/dz(z*) with another `iterate` call of
 the same kind (same solvers), then pulls u back through f only: the gradient
 of the map at its fixed point, whatever solver found it. `UnrolledAdjoint`
 instead backpropagates through the solver's steps (`iterate`'s "full" mode).
-Non-convergence is reported by the policy (`on_failure`) through
-`jax.debug.callback`, so it reaches the user under `jit` as well.
+
+With `key=`, each row gets one key (iterate's key of that row at step 0),
+the same at every solver step and in the adjoint solve: it travels with the
+row like `x`. Statistics reach the caller without host callbacks: the
+forward's `SolveInfo` is returned, the adjoint's comes back as the gradient
+of an `adjoint_probe`. Non-convergence is reported by the policy
+(`on_failure`) through `jax.debug.callback`, so it reaches the user under
+`jit` as well; the default warning is given once per call site and solve.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
-from typing import Any, Callable, NamedTuple
+import os
+import sys
+import types
+from typing import Any, Callable, NamedTuple, cast
 
 import jax
 from jax import tree_util
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_loop import random as random_lib
 from pallas_loop._src import deq_solvers
+from pallas_loop._src import keywords
+from pallas_loop._src import notices
 from pallas_loop._src import options as options_lib
 from pallas_loop._src.iterate import iterate
 from pallas_loop._src.options import Options
@@ -46,16 +57,74 @@ class SolveInfo(NamedTuple):
       the smallest seen (for a converged row, the first at most `tol`; for
       the adjoint: of u - (g + u df/dz)).
     converged: bool [B], whether the residual met its tolerance within
-      `max_steps`.
+      `max_iters`.
+
+  Examples:
+    The adjoint's statistics under `jit`, without a host callback: the
+    gradient of the loss with respect to an `adjoint_probe`.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from pallas_loop import deq
+    >>> f = lambda w, h, x: jnp.tanh(h @ w + x)
+    >>> w, h0, x = 0.5 * jnp.eye(3), jnp.zeros((2, 3)), jnp.ones((2, 3))
+    >>> def loss(w, probe):
+    ...   return deq.fixed_point(f, w, h0, x, adjoint_probe=probe).sum()
+    >>> g_w, g_probe = jax.jit(jax.grad(loss, argnums=(0, 1)))(w, deq.adjoint_probe(h0))
+    >>> adjoint = deq.SolveInfo.from_probe(g_probe)
+    >>> adjoint.converged.tolist(), adjoint.steps.dtype
+    ([True, True], dtype('int32'))
   """
 
   steps: jax.Array
   residual: jax.Array
   converged: jax.Array
 
+  @classmethod
+  def from_probe(cls, cotangent: "SolveInfo") -> "SolveInfo":
+    """The adjoint's `SolveInfo` from the gradient of an `adjoint_probe`.
+
+    Args:
+      cotangent: the gradient of the loss w.r.t. the probe passed as
+        `fixed_point(..., adjoint_probe=probe)` (float32 fields).
+
+    Returns:
+      `SolveInfo(steps int32, residual float32, converged bool)`. Steps 0
+      on every row: no adjoint solve ran (the loss does not depend on h*, or
+      the adjoint is `UnrolledAdjoint`).
+    """
+    steps, residual, converged = cotangent
+    return cls(jnp.round(steps).astype(jnp.int32), residual.astype(jnp.float32),
+               converged > 0.5)
+
+
+def adjoint_probe(h0: Any) -> SolveInfo:
+  """Zeros to differentiate for the adjoint solve's statistics (no host callback).
+
+  Pass the probe to `fixed_point(..., adjoint_probe=probe)` and differentiate
+  the loss with respect to it as well: the "gradient" that comes back is
+  the adjoint solve's per-row statistics (`SolveInfo.from_probe` gives them
+  their dtypes). It works under `jit`, `vmap` and in a training step that
+  only returns arrays. Use one probe per `fixed_point` call (gradients of a
+  probe used twice add up).
+
+  Args:
+    h0: the initial state passed to `fixed_point` (a pytree of [B, ...]
+      arrays), or the number of rows B.
+
+  Returns:
+    `SolveInfo` of three float32 [B] zero arrays.
+  """
+  rows = h0 if isinstance(h0, int) else int(np.shape(tree_util.tree_leaves(h0)[0])[0])
+  zeros = jnp.zeros((rows,), jnp.float32)
+  return SolveInfo(zeros, zeros, zeros)
+
 
 class NonConvergenceWarning(UserWarning):
-  """Rows of a `deq.fixed_point` solve (forward or adjoint) did not converge."""
+  """Rows of a `deq.fixed_point` solve (forward or adjoint) did not converge.
+
+  Given once per call site (the line of your code that calls `fixed_point`)
+  and solve, not at every training step; the warning points at that line.
+  """
 
 
 class NonConvergenceError(RuntimeError):
@@ -82,19 +151,22 @@ class ImplicitAdjoint:
   enters: the gradient is that of f, whatever iteration found z*. Zero
   gradient w.r.t. `h0`. Exact where the forward converged; at a row that did
   not, the gradient is taken at its best point (an approximation: the
-  policy reports it).
+  policy reports it). With `fixed_point(..., key=...)` the adjoint sees the
+  same per-row keys as the forward (the same dropout masks).
 
   Attributes:
-    solver: the adjoint's solver, or None (the default): the forward's.
+    solver: the adjoint's solver (a `Solver` or the name of a shipped one),
+      or None (the default): the forward's.
     tol: relative tolerance of the adjoint solve (> 0), or None: the
       forward's `tol`.
-    max_steps: its step budget (int >= 1), or None: the forward's.
+    max_iters: its budget of solver steps (int >= 1), or None: the forward's
+      (before 0.3: `max_steps`, which now raises a TypeError naming this).
     on_failure: policy for adjoint rows that did not converge ("warn",
       "raise", "nan", "ignore"), or None: the forward's.
     callback: None, or `callback(info: SolveInfo)` called on the host (via
       `jax.debug.callback`, so under `jit` too) with the adjoint solve's
       per-row statistics, as numpy arrays, each time the gradient is
-      computed.
+      computed. Without a host round trip: `adjoint_probe`.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -108,20 +180,28 @@ class ImplicitAdjoint:
     ((3, 3), 1, (2,))
   """
 
-  solver: deq_solvers.Solver | None = None
+  solver: deq_solvers.Solver | str | None = None
   tol: float | None = None
-  max_steps: int | None = None
+  max_iters: int | None = None
   on_failure: str | None = None
   callback: Callable[[SolveInfo], Any] | None = None
 
   def __post_init__(self):
+    if self.solver is not None:
+      object.__setattr__(self, "solver",
+                         deq_solvers.as_solver(self.solver, "ImplicitAdjoint(solver)"))
     if self.tol is not None and not float(self.tol) > 0:
       raise ValueError(f"ImplicitAdjoint({self.tol=}) must be > 0 or None.")
-    if self.max_steps is not None and (not isinstance(self.max_steps, int)
-                                       or self.max_steps < 1):
-      raise ValueError(f"ImplicitAdjoint({self.max_steps=}) must be an int >= 1 or None.")
+    if self.max_iters is not None and (isinstance(self.max_iters, bool)
+                                       or not isinstance(self.max_iters, int)
+                                       or self.max_iters < 1):
+      raise ValueError(f"ImplicitAdjoint({self.max_iters=}) must be an int >= 1 or None.")
     if self.on_failure is not None:
       _check_policy("ImplicitAdjoint(on_failure)", self.on_failure)
+
+
+ImplicitAdjoint.__init__ = keywords.renamed(max_steps="max_iters")(  # type: ignore[method-assign]
+    ImplicitAdjoint.__init__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +297,7 @@ def _avals(tree: Any) -> Any:
 
 
 def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0: jax.Array,
-               per_row: Any, threshold: jax.Array, solver: deq_solvers.Solver, max_steps: int,
+               per_row: Any, threshold: jax.Array, solver: deq_solvers.Solver, max_iters: int,
                options: Options, grad: Any = "full") -> tuple[jax.Array, SolveInfo]:
   """Solves z = fmap(shared, z, per_row) per row with `iterate`.
 
@@ -228,7 +308,7 @@ def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0
     per_row: pytree of [B, ...] arrays, constant across steps.
     threshold: float32 [B]: a row halts once rms(f(z) - z) <= its threshold.
     solver: the `Solver`.
-    max_steps: static int >= 1, the step budget of every row.
+    max_iters: static int >= 1, the step budget of every row.
     options: how iterate runs (`pallas_loop.Options`).
     grad: iterate's gradient mode (only used by `UnrolledAdjoint`).
 
@@ -256,13 +336,35 @@ def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0
   inf = jnp.full(z0.shape[:1], jnp.inf, jnp.float32)
   state0 = (z0, inf, z0, inf, solver.init(z0))
   (_, _, z, residual, _), info = iterate(step, shared, state0, (per_row, threshold),
-                                         max_iters=max_steps, halt=halt, grad=grad,
+                                         max_iters=max_iters, halt=halt, grad=grad,
                                          return_info=True, options=options)
   return z, SolveInfo(info.steps, jax.lax.stop_gradient(residual), info.halted)
 
 
-def _report(which: str, policy: str, tol: Any, max_steps: int, info: SolveInfo) -> None:
-  """Reports non-converged rows by `policy`, from a host callback (works under jit)."""
+# Where the caller's code is: the first frame outside this package and JAX.
+_SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(cast(str, m.__file__))) + os.sep for m in
+                   (sys.modules["pallas_loop"], jax, sys.modules.get("jaxlib", jax)))
+
+
+def _call_site() -> tuple[str, int]:
+  """(file, line) of the user's call of `fixed_point` (outside this package and JAX)."""
+  frame: types.FrameType | None = sys._getframe(1)  # pylint: disable=protected-access
+  while frame is not None:
+    name = os.path.abspath(frame.f_code.co_filename)
+    if not name.startswith(_SKIP_DIRS) and not name.startswith("<frozen"):
+      return frame.f_code.co_filename, frame.f_lineno
+    frame = frame.f_back
+  return "<unknown>", 0
+
+
+def _report(which: str, policy: str, tolerance: str, max_iters: int, info: SolveInfo,
+            site: tuple[str, int]) -> None:
+  """Reports non-converged rows by `policy`, from a host callback (works under jit).
+
+  "warn" gives one warning per call site and solve (`notices.warn_once_at`),
+  attributed to the caller's line; later failures there are counted by the
+  caller (SolveInfo, `adjoint_probe`), not warned again.
+  """
   if policy in ("ignore", "nan"):
     return
 
@@ -272,39 +374,78 @@ def _report(which: str, policy: str, tol: Any, max_steps: int, info: SolveInfo) 
       return
     worst = float(np.max(np.asarray(residual)[bad]))
     message = (f"pallas_loop.deq.fixed_point: {int(bad.sum())} of {bad.size} rows did not "
-               f"converge in the {which} solve (max_steps={max_steps}, tol={tol}; largest "
-               f"residual {worst:.3g}). Raise max_steps, use solver=deq.Anderson(...), or "
-               f"choose on_failure='raise'/'nan'/'ignore'.")
+               f"converge in the {which} solve within max_iters={max_iters} ({tolerance}; "
+               f"largest residual {worst:.3g}).")
     if policy == "raise":
-      raise NonConvergenceError(message)
-    warnings.warn(message, NonConvergenceWarning, stacklevel=2)
+      raise NonConvergenceError(message + " Raise max_iters, try another solver "
+                                "(solver='broyden', deq.Anderson(m=10)), or choose "
+                                "on_failure='warn'/'nan'/'ignore'.")
+    notices.warn_once_at(
+        f"deq {which} {site[0]}:{site[1]}",
+        message + f" This warning is given once for this call and solve; count such rows "
+        "yourself with return_info=True (forward) and deq.adjoint_probe (adjoint), or choose "
+        "on_failure='raise'/'nan'/'ignore'. To converge: raise max_iters or try another "
+        "solver (solver='broyden', deq.Anderson(m=10)).",
+        NonConvergenceWarning, site)
 
   jax.debug.callback(on_host, info.steps, info.residual, info.converged)
+
+
+def _tolerance(which: str, tol: Any) -> str:
+  """What the tolerance of a solve is relative to, for the messages."""
+  value = "traced" if isinstance(tol, jax.core.Tracer) else f"{float(tol):g}"
+  if which == "forward":
+    return f"tol={value} on each row's rms(f(h) - h), an absolute tolerance"
+  return (f"tol={value} relative: each row stops once rms(u - (g + u df/dh)) <= tol x rms(g), "
+          "g the row's cotangent")
 
 
 def _nan_rows(converged: jax.Array, z: jax.Array) -> jax.Array:
   return jnp.where(converged[:, None], z, jnp.full_like(z, jnp.nan))
 
 
+def _row_keys(key: Any, batch: int) -> jax.Array:
+  """uint32 [B, 2]: row i's key is iterate's key of row i at step 0, a pure
+  function of (key, i): it follows the row whatever the tiling or order."""
+  data = random_lib.key_data(key).reshape(1, 2)
+  return random_lib.step_keys(data, jnp.arange(batch, dtype=jnp.int32)[:, None],
+                              jnp.zeros((batch, 1), jnp.int32))
+
+
+def _check_probe(probe: Any, batch: int) -> SolveInfo:
+  if not isinstance(probe, SolveInfo):
+    raise TypeError(f"adjoint_probe must be deq.adjoint_probe(h0) (a SolveInfo of float32 "
+                    f"zeros), got {type(probe).__name__}.")
+  for name, leaf in zip(SolveInfo._fields, probe):
+    if np.shape(leaf) != (batch,) or jnp.result_type(leaf) != jnp.float32:
+      raise ValueError(f"adjoint_probe.{name} is {jnp.result_type(leaf)}{list(np.shape(leaf))}: "
+                       f"it must be float32[{batch}], one entry per row of h0 "
+                       "(make it with deq.adjoint_probe(h0)).")
+  return probe
+
+
+@keywords.renamed(max_steps="max_iters")
 def fixed_point(
     f: Callable[..., Any],
     params: Any,
     h0: Any,
     x: Any = None,
     *,
-    solver: deq_solvers.Solver | None = None,
+    solver: deq_solvers.Solver | str | None = None,
     tol: float = 1e-5,
-    max_steps: int = 50,
+    max_iters: int = 50,
+    key: jax.Array | None = None,
     adjoint: ImplicitAdjoint | UnrolledAdjoint | None = None,
     on_failure: str = "warn",
     return_info: bool = False,
+    adjoint_probe: SolveInfo | None = None,
     options: Options | None = None,
     **kwargs: Any,
 ) -> Any:
   """Solves h = f(params, h, x) for each row, differentiably (a DEQ layer).
 
   Each row runs `solver` on the map until rms(f(h) - h) <= `tol` (then keeps
-  f(h)) or `max_steps` map evaluations (then keeps f(h) at the h of smallest
+  f(h)) or `max_iters` map evaluations (then keeps f(h) at the h of smallest
   residual seen), and stops costing compute when it halts (one `iterate`
   call: the XLA loop, or the Pallas kernel with
   `options=pallas_loop.Options(implementation="pallas")`). The gradient is
@@ -314,26 +455,40 @@ def fixed_point(
   Args:
     f: the map `f(params, h, x) -> h`, written for a tile of rows like
       `iterate`'s step (every leaf of `h`, `x` has a leading row axis; rows
-      independent). Arrays it closes over are differentiated like `params`.
+      independent); with `key`, `f(params, h, x, *, key)`. Arrays it closes
+      over are differentiated like `params`.
     params: pytree shared by every row (may be None); differentiable.
     h0: pytree of float arrays [B, ...], the initial guess. Its gradient is
       zero under `ImplicitAdjoint`.
     x: pytree of arrays [B, ...] constant across steps, or None;
       differentiable.
-    solver: a `Solver` (`deq.Anderson()`, the default, `deq.Damped(beta)`,
-      or your own subclass).
+    solver: a `Solver` (`deq.Broyden()`, the default, `deq.Anderson(m)`,
+      `deq.Damped(beta)`, or your own subclass), or the name of a shipped
+      one in its default configuration: "broyden", "anderson", "damped".
     tol: absolute tolerance on rms(f(h) - h) per row (a float, or a float
       scalar array).
-    max_steps: static int >= 1, the map evaluations allowed per row.
+    max_iters: static int >= 1, the map evaluations allowed per row (before
+      0.3: `max_steps`, which now raises a TypeError naming this).
+    key: None, or a JAX PRNG key: `f` then gets `key=`, uint32 [R, 2], one
+      key per row, for `pallas_loop.random` (e.g. dropout). A row's key is
+      the same at every solver step and in the adjoint solve (the map is a
+      fixed function during the solve: a dropout mask stays put, as in
+      variational dropout), and is a pure function of (key, the row's index
+      in the batch): iterate's key of that row at step 0. Draw a new key per
+      training step.
     adjoint: `ImplicitAdjoint(...)` (None: the default one) or
       `UnrolledAdjoint()`.
     on_failure: what happens when rows did not converge (forward solve, and
-      the adjoint's unless it says otherwise): "warn" (the default: a
-      `NonConvergenceWarning` from a host callback, so eagerly and under
-      `jit`), "raise" (`NonConvergenceError`; under `jit` wrapped in a
-      `JaxRuntimeError`), "nan" (those rows of the output, and of the
+      the adjoint's unless it says otherwise): "warn" (the default: one
+      `NonConvergenceWarning` per call site and solve, pointing at the line
+      that calls `fixed_point`, from a host callback, so eagerly and under
+      `jit`), "raise" (`NonConvergenceError` every time; under `jit` wrapped
+      in a `JaxRuntimeError`), "nan" (those rows of the output, and of the
       adjoint, become NaN) or "ignore".
     return_info: also return the forward's `SolveInfo`.
+    adjoint_probe: None, or `deq.adjoint_probe(h0)`: differentiate the loss
+      w.r.t. it too, and its gradient is the adjoint solve's statistics
+      (`SolveInfo.from_probe`), under `jit`, without a host callback.
     options: how to run, a `pallas_loop.Options` (None: `Options()`),
       forwarded whole to every `iterate` call (the forward solve and the
       adjoint's).
@@ -353,25 +508,39 @@ def fixed_point(
     >>> h, info = deq.fixed_point(f, w, jnp.zeros((3, 2)), x, return_info=True)
     >>> bool(jnp.all(info.converged)), bool(jnp.allclose(f(w, h, x), h, atol=1e-4))
     (True, True)
+
+    Dropout inside the map: one mask per row, kept through the solve.
+
+    >>> import jax, pallas_loop
+    >>> g = lambda w, h, x, key: pallas_loop.random.dropout(key, jnp.tanh(h @ w + x), 0.1)
+    >>> h = deq.fixed_point(g, w, jnp.zeros((3, 2)), x, key=jax.random.key(0))
   """
   options_lib.reject_keywords("fixed_point", kwargs)
   options = options_lib.check_options(options)
-  solver = deq_solvers.Anderson() if solver is None else solver
+  site = _call_site()
+  solver = deq_solvers.Broyden() if solver is None else deq_solvers.as_solver(solver)
   adjoint = ImplicitAdjoint() if adjoint is None else adjoint
   _check_policy("on_failure", on_failure)
-  if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-    raise ValueError(f"{max_steps=} must be a Python int >= 1.")
+  if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
+    raise ValueError(f"{max_iters=} must be a Python int >= 1.")
   if not isinstance(adjoint, (ImplicitAdjoint, UnrolledAdjoint)):
     raise TypeError(f"{adjoint=} must be deq.ImplicitAdjoint(...) or deq.UnrolledAdjoint().")
   flat = _Flat(h0)
   z0 = flat.ravel(h0)
   batch = z0.shape[0]
+  if adjoint_probe is not None:
+    adjoint_probe = _check_probe(adjoint_probe, batch)
+  keyed = key is not None
+  # The per-row keys travel with the rows, beside x (constant across steps).
+  per_row = (x, _row_keys(key, batch)) if keyed else (x, None)
 
   def map_rows(p, z, xx):
-    return flat.ravel(f(p, flat.unravel(z), xx))
+    xx, keys = xx
+    out = f(p, flat.unravel(z), xx, key=keys) if keyed else f(p, flat.unravel(z), xx)
+    return flat.ravel(out)
 
   # Arrays f closes over become explicit (differentiated) operands.
-  hoisted = _Hoisted(map_rows, params, z0, x)
+  hoisted = _Hoisted(map_rows, params, z0, per_row)
   consts = hoisted.consts
 
   def fmap(shared, z, xx):
@@ -381,39 +550,53 @@ def fixed_point(
   threshold = jnp.broadcast_to(jnp.asarray(tol, jnp.float32), (batch,))
   shared = (params, tuple(consts))
   if isinstance(adjoint, UnrolledAdjoint):
-    z, info = solve_rows(fmap, shared, z0, x, threshold, solver, max_steps, options, grad="full")
+    z, info = solve_rows(fmap, shared, z0, per_row, threshold, solver, max_iters, options,
+                         grad="full")
   else:
-    z, info = _implicit(fmap, solver, max_steps, options, tol, on_failure, adjoint)(
-        shared, z0, x, threshold)
-  _report("forward", on_failure, tol if not isinstance(tol, jax.core.Tracer) else "traced",
-          max_steps, info)
+    probe = adjoint_probe if adjoint_probe is not None else _unread_probe(batch)
+    z, info = _implicit(fmap, solver, max_iters, options, tol, on_failure, adjoint, site)(
+        shared, z0, per_row, threshold, probe)
+  _report("forward", on_failure, _tolerance("forward", tol), max_iters, info, site)
   if on_failure == "nan":
     z = _nan_rows(info.converged, z)
   h = flat.unravel(z)
   return (h, info) if return_info else h
 
 
-def _implicit(fmap, solver, max_steps, options, tol, on_failure, adjoint: ImplicitAdjoint):
-  """The forward solve as a custom_vjp whose backward is the adjoint solve."""
-  adj_solver = solver if adjoint.solver is None else adjoint.solver
+def _unread_probe(batch: int) -> SolveInfo:
+  """A probe nobody reads (the custom_vjp takes one either way; `fixed_point`'s
+  keyword of the same name hides the module's `adjoint_probe` there)."""
+  return adjoint_probe(batch)
+
+
+def _implicit(fmap, solver, max_iters, options, tol, on_failure, adjoint: ImplicitAdjoint, site):
+  """The forward solve as a custom_vjp whose backward is the adjoint solve.
+
+  Its last operand is the adjoint probe: the backward returns the adjoint
+  solve's statistics as the probe's cotangent.
+  """
+  # ImplicitAdjoint's __post_init__ made a named solver a Solver.
+  adj_solver = solver if adjoint.solver is None else cast(deq_solvers.Solver, adjoint.solver)
   adj_tol = tol if adjoint.tol is None else adjoint.tol
-  adj_steps = max_steps if adjoint.max_steps is None else adjoint.max_steps
+  adj_iters = max_iters if adjoint.max_iters is None else adjoint.max_iters
   adj_policy = on_failure if adjoint.on_failure is None else adjoint.on_failure
 
   @jax.custom_vjp
-  def run(shared, z0, x, threshold):
-    return solve_rows(fmap, shared, z0, x, threshold, solver, max_steps, options)
+  def run(shared, z0, per_row, threshold, probe):
+    del probe
+    return solve_rows(fmap, shared, z0, per_row, threshold, solver, max_iters, options)
 
-  def run_fwd(shared, z0, x, threshold):
-    z, info = solve_rows(fmap, shared, z0, x, threshold, solver, max_steps, options)
-    return (z, info), (shared, x, z, threshold)
+  def run_fwd(shared, z0, per_row, threshold, probe):
+    del probe
+    z, info = solve_rows(fmap, shared, z0, per_row, threshold, solver, max_iters, options)
+    return (z, info), (shared, per_row, z, threshold)
 
   def run_bwd(saved, cotangents):
-    shared, x, z_star, threshold = saved
+    shared, per_row, z_star, threshold = saved
     g = cotangents[0]
 
-    def adjoint_map(shared, u, per_row):
-      zs, xx, gg = per_row
+    def adjoint_map(shared, u, rows):
+      zs, xx, gg = rows
       _, vjp = jax.vjp(lambda z: fmap(shared, z, xx), zs)
       return gg + vjp(u)[0]
 
@@ -421,18 +604,19 @@ def _implicit(fmap, solver, max_steps, options, tol, on_failure, adjoint: Implic
     # in `threshold`, never closed over (a custom_vjp rule must not capture).
     rel = threshold if adjoint.tol is None else jnp.full_like(threshold, adjoint.tol)
     adj_threshold = rel * row_rms(g)
-    u, info = solve_rows(adjoint_map, shared, g, (z_star, x, g), adj_threshold, adj_solver,
-                         adj_steps, options)
+    u, info = solve_rows(adjoint_map, shared, g, (z_star, per_row, g), adj_threshold,
+                         adj_solver, adj_iters, options)
     callback = adjoint.callback
     if callback is not None:
       jax.debug.callback(lambda *a: callback(SolveInfo(*a)), *info)
-    _report("adjoint", adj_policy, adj_tol if not isinstance(adj_tol, jax.core.Tracer)
-            else "traced", adj_steps, info)
+    _report("adjoint", adj_policy, _tolerance("adjoint", adj_tol), adj_iters, info, site)
     if adj_policy == "nan":
       u = _nan_rows(info.converged, u)
-    _, vjp = jax.vjp(lambda s, xx: fmap(s, z_star, xx), shared, x)
-    g_shared, g_x = vjp(u)
-    return g_shared, jnp.zeros_like(z_star), g_x, jnp.zeros_like(threshold)
+    _, vjp = jax.vjp(lambda s, xx: fmap(s, z_star, xx), shared, per_row)
+    g_shared, g_per_row = vjp(u)
+    stats = SolveInfo(info.steps.astype(jnp.float32), info.residual.astype(jnp.float32),
+                      info.converged.astype(jnp.float32))
+    return g_shared, jnp.zeros_like(z_star), g_per_row, jnp.zeros_like(threshold), stats
 
   run.defvjp(run_fwd, run_bwd)
   return run

@@ -17,8 +17,9 @@ gradient into its ref), and reads shared operands where used (`LoadOnUse`).
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -239,9 +240,12 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
       # (subfuns, params) before JAX 0.11, params from 0.11 on.
       subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
       folds = _folds(eqn, invals)
-      with eqn.ctx.manager, (jax.ensure_compile_time_eval() if folds
-                             else contextlib.nullcontext()):
-        outs = eqn.primitive.bind(*subfuns, *invals, **params)
+      if folds:
+        outs = _computed_apart(functools.partial(eqn.primitive.bind, *subfuns, *invals,
+                                                 **params))
+      else:
+        with eqn.ctx.manager:
+          outs = eqn.primitive.bind(*subfuns, *invals, **params)
       if not eqn.primitive.multiple_results:
         outs = [outs]
       if folds:  # literals in the kernel, not captured constants (weak types kept)
@@ -273,6 +277,21 @@ def _folds(eqn: jex_core.JaxprEqn, invals: Sequence[Any]) -> bool:
   return (not list(jex_core.jaxprs_in_params(eqn.params)) and not eqn.effects
           and all(getattr(v.aval, "shape", None) == () for v in eqn.outvars)
           and not any(isinstance(a, jax.core.Tracer) for a in invals))
+
+
+def _computed_apart(fn: Callable[[], Any]) -> Any:
+  """`fn()` computed now, in a thread of its own.
+
+  A folded scalar is computed while the kernel is traced, on the values
+  themselves. In the caller's thread that would run under its trace and its
+  mesh: a deviceless compile (`deviceless.compile_for`) sets a mesh of the
+  target's topology, whose devices cannot run anything ("'Executable' object
+  has no attribute 'local_devices'"). A mesh (`jax.set_mesh`) and the trace
+  state are thread-local, so a fresh thread computes on the default device,
+  as the caller would outside any trace.
+  """
+  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    return pool.submit(fn).result()
 
 
 def logistic_via_tanh(x: jax.Array) -> jax.Array:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import re
 from typing import Any, Sequence
 
@@ -86,6 +87,8 @@ class _Val:
 
 _FREE = _Val()
 _LOST = _Val(row=UNKNOWN)
+# Leads the `origin` of random bits drawn over the rows from a shared key.
+_RANDOM = "\0random:"
 
 
 @dataclasses.dataclass
@@ -96,14 +99,22 @@ class Analysis:
     outputs: the layout of each output of the jaxpr (`Row`, None, UNKNOWN).
     unknown_primitives: the primitives whose outputs got UNKNOWN layouts
       because the checker does not model them (or not with these params).
+    random_rows: per output, "" or, when its axis 0 holds random bits drawn
+      from a key shared by every row (one draw per position in the group of
+      rows), what drew them.
   """
 
   outputs: list
   unknown_primitives: set
+  random_rows: list = dataclasses.field(default_factory=list)
 
 
 class RowMixingError(ValueError):
   """The step treats rows together (or smuggles per-row data past `x`)."""
+
+
+class SharedKeyError(RowMixingError):
+  """The step draws random bits over the rows from a key shared by every row."""
 
 
 # ---------------------------------------------------------------------------
@@ -128,6 +139,20 @@ def _where(eqn) -> str:
   except Exception:  # pylint: disable=broad-except  # only decorates a message
     return ""
   return f" at {text}" if text else ""
+
+
+_LIBRARY_DIRS = ("site-packages", "dist-packages", os.path.dirname(os.path.dirname(__file__)))
+
+
+def _user_where(eqn) -> str:
+  """" at file:line" of the innermost frame of the user's own code (not an
+  installed library such as Flax or Haiku, not this package), or ""."""
+  traceback = getattr(eqn.source_info, "traceback", None)
+  for frame in getattr(traceback, "frames", None) or ():
+    name = frame.file_name
+    if not any(d in name for d in _LIBRARY_DIRS) and not name.startswith("<frozen"):
+      return f" at {name}:{frame.line_num}"
+  return ""
 
 
 def _prefix(shape: Sequence[int], k: int) -> int:
@@ -176,6 +201,7 @@ class _Checker:
     self.hint = hint                # prepended to messages (a 1-D h0)
     self.unknown: set = set()
     self.outer_where = ""           # where the enclosing call is (jnp internals have none)
+    self.outer_user = ""            # the line of the user's own code that made it
 
   # -- errors -----------------------------------------------------------------
 
@@ -194,6 +220,8 @@ class _Checker:
     raise RowMixingError("\n".join(lines))
 
   def fail_ext(self, eqn, val: _Val, axis: int) -> None:
+    if val.origin.startswith(_RANDOM):
+      self.fail_random(eqn, val.origin)
     origin = val.origin or "an array step closes over"
     self.fail(
         eqn, f"combines per-row data from {origin}, whose axis {axis} has the "
@@ -201,6 +229,10 @@ class _Checker:
         "per-row data must travel through x (iterate(step, params, h0, x)), "
         "which iterate slices with the rows; params and closed-over arrays are "
         "shared by every row")
+
+  def fail_random(self, eqn, origin: str) -> None:
+    used = f"{eqn.primitive.name}{_where(eqn) or self.outer_where}"
+    raise SharedKeyError(_random_message(origin[len(_RANDOM):], f"combined with the state by {used}"))
 
   # -- driver -----------------------------------------------------------------
 
@@ -216,12 +248,13 @@ class _Checker:
       env[v] = val
     for v, val in zip(jaxpr.invars, in_vals):
       env[v] = val
-    outer = self.outer_where
+    outer, outer_user = self.outer_where, self.outer_user
     for eqn in jaxpr.eqns:
       ins = [read(v) for v in eqn.invars]
       self.outer_where = outer or _where(eqn)
+      self.outer_user = outer_user or _user_where(eqn)
       outs = self.eqn(eqn, ins)
-      self.outer_where = outer
+      self.outer_where, self.outer_user = outer, outer_user
       for v, val in zip(eqn.outvars, outs):
         env[v] = val
     return [read(v) for v in jaxpr.outvars]
@@ -435,6 +468,8 @@ class _Checker:
     old, new = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
     if isinstance(v.row, Row) and len(new) < len(old) and v.row.axis == len(old) - 1:
       return None
+    if v.row is None:  # the leading axes stay (a narrower type adds one, a wider drops one)
+      return [_Val(None, frozenset(a for a in v.ext if a < min(len(old), len(new))), v.origin)]
     return [_Val(v.row)]
 
   def rule_dot_general(self, eqn, ins):
@@ -647,6 +682,41 @@ class _Checker:
                    "choosing)")]
     return [_FREE]
 
+  # -- PRNG keys and bits (jax.random) ---------------------------------------
+
+  def _drawn(self, eqn, key: _Val, key_nd: int, shape: Sequence[int]) -> _Val:
+    """The layout of values drawn from `key` (a key array of `key_nd` axes)
+    with `shape` appended: the key's rows, or else data that differs along
+    every new axis of B entries (a row's bits depend on its position)."""
+    if isinstance(key.row, Row):
+      return _Val(key.row)
+    new = (frozenset(key_nd + i for i, n in enumerate(shape) if n == self.batch)
+           if self.batch > 1 else frozenset())
+    if new:
+      where = _where(eqn) or self.outer_where
+      user = self.outer_user if self.outer_user and self.outer_user not in where else ""
+      origin = (f"{_RANDOM}{eqn.primitive.name}{where}, {_describe_aval(eqn.outvars[0])}"
+                + (f", called from {user[len(" at "):]}" if user else ""))
+      return _Val(None, key.ext | new, origin)
+    return _Val(None, key.ext, key.origin)
+
+  def rule_random_bits(self, eqn, ins):
+    return [self._drawn(eqn, ins[0], len(_shape(eqn.invars[0])), eqn.params["shape"])]
+
+  def rule_random_split(self, eqn, ins):
+    return [self._drawn(eqn, ins[0], len(_shape(eqn.invars[0])), eqn.params["shape"])]
+
+  def rule_random_wrap(self, eqn, ins):
+    # uint32 [..., n] key data -> key [...]: the trailing axis goes.
+    v, nd = ins[0], len(_shape(eqn.outvars[0]))
+    if isinstance(v.row, Row):
+      return [_Val(v.row)] if v.row.axis < nd else None
+    return [_Val(None, frozenset(a for a in v.ext if a < nd), v.origin)]
+
+  def rule_random_unwrap(self, eqn, ins):
+    # key [...] -> uint32 [..., n]: the key data's axis is new and last.
+    return [ins[0]]
+
   def rule_select_and_gather_add(self, eqn, ins):
     return None
 
@@ -704,7 +774,11 @@ def analyze(closed: Any, in_rows: Sequence[Any], batch: int, *,
       in_vals.append(_Val(Row(row)))
   consts = [checker.const_val(np.shape(c), "an array step closes over") for c in closed.consts]
   outs = checker.run(closed.jaxpr, consts, in_vals)
-  return Analysis(outputs=[o.row for o in outs], unknown_primitives=checker.unknown)
+  random_rows = [o.origin[len(_RANDOM):] if (o.row is None and 0 in o.ext
+                                             and o.origin.startswith(_RANDOM)) else ""
+                 for o in outs]
+  return Analysis(outputs=[o.row for o in outs], unknown_primitives=checker.unknown,
+                  random_rows=random_rows)
 
 
 def _one_d_hint(named_leaves) -> str:
@@ -775,6 +849,10 @@ def check_step_jaxpr(closed: Any, params: Any, h0: Any, x: Any) -> Analysis:
       origins.append("")
   hint = _one_d_hint(_named_leaves("h0", h0))
   result = analyze(closed, rows, batch, in_origins=origins, hint=hint)
+  for k, drawn in enumerate(result.random_rows):
+    if drawn:
+      what = "a state leaf" if k < len(h_leaves) else "the halt flag or an output"
+      raise SharedKeyError(_random_message(drawn, f"returned as {what}"))
   for k, row in enumerate(result.outputs):
     if isinstance(row, Row) and (row.axis, row.inner) != (0, 1):
       what = "state leaf" if k < len(h_leaves) else "halt flag or output"
@@ -784,6 +862,23 @@ def check_step_jaxpr(closed: Any, params: Any, h0: Any, x: Any) -> Analysis:
           f"{_describe_aval(closed.jaxpr.outvars[k])}: return it with the rows on axis 0 "
           "(undo the transpose or reshape).")
   return result
+
+
+def _random_message(drawn: str, used: str) -> str:
+  """The error for random bits drawn over the rows from a key shared by every row."""
+  return "\n".join([
+      f"step draws random bits over the row axis from a key shared by every row ({drawn}; "
+      f"{used}): draw from per-row keys instead: pass key= to iterate (or to "
+      "deq.fixed_point) and draw with pallas_loop.random on the key step receives, e.g. "
+      "pallas_loop.random.dropout(key, h, rate).",
+      "This is what e.g. jax.random.bernoulli(k, p, h.shape) with k closed over or in "
+      "params, Haiku's hk.dropout(hk.next_rng_key(), ...) or Flax's nn.Dropout with a "
+      "module rng traces to: row r gets the bits of position r in the group of rows "
+      "iterate passes to step, so its mask or noise changes with block_rows, the "
+      "implementation, the row order and the batch size (even where h = 0 hides it).",
+      "The key step receives is a pure function of (key, the row's index in your batch, "
+      "the step); with per_example=True, jax.random on that key works too (on the XLA "
+      "path). See the docs' 'Randomness' page."])
 
 
 _SINGLE_KEY = re.compile(r"accepts a single key|single PRNG key|key array of shape|"

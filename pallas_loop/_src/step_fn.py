@@ -67,14 +67,19 @@ def explain_extras_error(error: Exception, *, keyed: bool, indexed: bool) -> Exc
   text = str(error)
   if not isinstance(error, TypeError):
     return None
-  for name, given in (("key", keyed), ("index", indexed)):
-    if given and f"unexpected keyword argument '{name}'" in text:
-      flag = "key=..." if name == "key" else "step_index=True"
-      return TypeError(
-          f"step must accept `{name}` as a keyword argument: with {flag}, iterate calls "
-          f"step(params, h, x, {name}=...), e.g. `def step(params, h, x, *, {name}):`. "
-          "(Before pallas_loop 0.2 the key was the 4th positional argument: rename that "
-          "parameter to `key`.)")
+  if keyed and "unexpected keyword argument 'key'" in text:
+    return TypeError(
+        "step must accept `key` as a keyword argument: with key=..., iterate calls "
+        "step(params, h, x, key=...) with the per-row keys (uint32 [rows, 2]), e.g. "
+        "`def step(params, h, x, *, key):`. (Before pallas_loop 0.2 the key was the 4th "
+        "positional argument: rename that parameter to `key`.)")
+  if indexed and "unexpected keyword argument 'index'" in text:
+    return TypeError(
+        "step must accept `index` as a keyword argument: with step_index=True, iterate "
+        "calls step(params, h, x, index=t) with the 0-based step index t (an int32 "
+        "scalar shared by the rows of the call), e.g. `def step(params, h, x, *, index):` "
+        "reading per-step layers as params[index]. Drop step_index=True if step does not "
+        "use the index.")
   return None
 
 

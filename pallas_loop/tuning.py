@@ -1,7 +1,7 @@
 """Measure the kernel's tile height on the machine at hand.
 
-The default `block_rows` is a heuristic per backend (`_src/backend_triton.py`,
-`_src/backend_mosaic_tpu.py`, `_src/backend.rows_for_tiles`): enough sorted tiles that
+The default `block_rows` is a heuristic per backend (`Backend.default_block_rows`
+in `_src/backend_*.py`, `_src/backend.rows_for_tiles`): enough sorted tiles that
 rows of similar counts share a tile. What is fastest also depends on the
 block, its widths and the accelerator, so `tune_block_rows` times the
 candidates on the caller's own workload, says which won and returns the
@@ -19,7 +19,7 @@ import jax
 
 from pallas_loop._src import iterate as iterate_lib
 from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import backend_mosaic_tpu
+from pallas_loop._src import backends
 from pallas_loop._src import options as options_lib
 from pallas_loop._src import validation
 from pallas_loop._src.options import Options
@@ -45,14 +45,17 @@ class TuneResult(NamedTuple):
 
 
 def default_candidates(batch: int, platform: str | None = None) -> tuple[int, ...]:
-  """Powers of two up to the batch rounded up to one: from 8 to 256, or on a
-  TPU from 128 to 2048 (a TPU core runs tiles one after another, and tiles
-  under 128 rows were 1.2-2.4x slower than the fastest on a v5e; RESULTS.md).
+  """Powers of two up to the batch rounded up to one, in the range the
+  platform's backend gives (`Backend.tile_candidates`): from 8 to 256 on a
+  GPU and in interpret mode, from 128 to 2048 on a TPU (a TPU core runs
+  tiles one after another, and tiles under 128 rows were 1.2-2.4x slower
+  than the fastest on a v5e; RESULTS.md).
 
   Args:
     batch: B.
     platform: "tpu", "gpu", "cpu", ...; None: this machine's default backend
-      (the one `tune_block_rows` times on).
+      (the one `tune_block_rows` times on). A platform no compiled backend
+      serves runs interpret mode.
 
   Examples:
     >>> from pallas_loop.tuning import default_candidates
@@ -60,7 +63,8 @@ def default_candidates(batch: int, platform: str | None = None) -> tuple[int, ..
     ((8, 16, 32, 64, 128), (128, 256, 512, 1024, 2048))
   """
   platform = platform or jax.default_backend()
-  low, high = (backend_mosaic_tpu.SMALLEST_TILE, 2048) if platform == "tpu" else (8, 256)
+  backend = backends.for_device_platform(platform) or backend_lib.INTERPRET
+  low, high = backend.tile_candidates
   top = min(high, max(low, backend_lib.next_power_of_2(batch)))
   return tuple(1 << k for k in range(low.bit_length() - 1, top.bit_length()))
 

@@ -66,5 +66,5 @@ def tpu_step_rules_lifted(monkeypatch):
   """
   import dataclasses  # pylint: disable=g-import-not-at-top
   from pallas_loop._src import backend_interpret  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(backend_interpret, "ON_TPU",
-                      dataclasses.replace(backend_interpret.ON_TPU, checks=None))
+  monkeypatch.setitem(backend_interpret.INTERPRETERS, "tpu",
+                      dataclasses.replace(backend_interpret.for_option(True), checks=None))

@@ -231,11 +231,11 @@ def test_mosaic_advice_names_the_axis_block_rows_cannot_fix():
 def re_read_interpret(monkeypatch):
   """The interpret backend configured as the Triton rule configures a large
   step: shared operands re-read at each use, weight dots split in K chunks."""
-  rules = dataclasses.replace(jaxpr_eval.TRITON_INTERPRET, split_dot_bytes=1024)
+  rules = dataclasses.replace(backend_triton.INTERPRET_EVAL_RULES, split_dot_bytes=1024)
   config = lambda fp, given: (backend_lib.KernelConfig(
       fp.block_rows, shared_on_chip=False, eval_rules=rules), [])
-  monkeypatch.setattr(backend_interpret, "ON_TPU",
-                      dataclasses.replace(backend_interpret.ON_TPU, configure=config))
+  monkeypatch.setitem(backend_interpret.INTERPRETERS, "tpu",
+                      dataclasses.replace(backend_interpret.for_option(True), configure=config))
 
 
 @pytest.mark.parametrize("block", ["residual_mlp_ln", "gru"])
@@ -440,7 +440,7 @@ def test_mosaic_rewrites_every_dot_to_one_batch_and_one_contracted_axis():
       b = jax.random.normal(jax.random.key(1), rhs).astype(dtype)
       f = lambda u, v, dims=dims: jax.lax.dot_general(u, v, dims)
       rewritten = lambda u, v, f=f: jaxpr_eval.call_with_matched_dots(f, u, v,
-                                                                      rules=jaxpr_eval.MOSAIC)
+                                                                      rules=backend_mosaic_tpu.EVAL_RULES)
       for eqn in _dots(jax.make_jaxpr(rewritten)(a, b).jaxpr):
         (lc, _), (lb, _) = eqn.params["dimension_numbers"]
         assert len(lc) == 1 and len(lb) <= 1, (lhs, rhs, dims, eqn)

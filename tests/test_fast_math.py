@@ -17,6 +17,8 @@ import pytest
 import pallas_loop
 from benchmarks import blocks
 from pallas_loop import _reference as reference
+from pallas_loop._src import backend_mosaic_tpu
+from pallas_loop._src import backend_triton
 from pallas_loop._src import fast_math
 from pallas_loop._src import jaxpr_eval
 from tests import lowering
@@ -32,9 +34,9 @@ BF16, F32 = jnp.bfloat16, jnp.float32
     (jnp.zeros((4,), jnp.int32), False),  # no float leaf
 ])
 def test_the_hardware_tanh_is_for_16_bit_states_on_triton_only(state, approx):
-  assert jaxpr_eval.for_state(jaxpr_eval.TRITON, state).approx_tanh is approx
-  assert jaxpr_eval.for_state(jaxpr_eval.TRITON_INTERPRET, state).approx_tanh is approx
-  assert not jaxpr_eval.for_state(jaxpr_eval.MOSAIC, state).approx_tanh
+  assert jaxpr_eval.for_state(backend_triton.EVAL_RULES, state).approx_tanh is approx
+  assert jaxpr_eval.for_state(backend_triton.INTERPRET_EVAL_RULES, state).approx_tanh is approx
+  assert not jaxpr_eval.for_state(backend_mosaic_tpu.EVAL_RULES, state).approx_tanh
   assert not jaxpr_eval.for_state(jaxpr_eval.PLAIN, state).approx_tanh
 
 

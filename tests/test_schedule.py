@@ -11,6 +11,8 @@ import pytest
 
 import pallas_loop
 from pallas_loop import _reference as reference
+from pallas_loop._src import backend_interpret
+from pallas_loop._src import backend_mosaic_tpu
 from pallas_loop._src import backend_triton
 from pallas_loop._src import schedule
 from pallas_loop._src import tiling
@@ -55,9 +57,11 @@ def test_program_count_reads_the_device_kind():
 
 
 def test_default_schedule_is_the_grid():
-  assert schedule.resolve("triton", None) == "grid"
-  assert schedule.resolve("mosaic_tpu", "persistent") == "grid"
-  assert schedule.resolve("interpret", "persistent") == "persistent"
+  assert schedule.resolve(backend_triton.TRITON, None) == "grid"
+  assert schedule.resolve(backend_triton.TRITON, "persistent") == "persistent"
+  assert schedule.resolve(backend_mosaic_tpu.MOSAIC_TPU, "persistent") == "grid"
+  assert schedule.resolve(backend_interpret.for_option(True), "persistent") == "persistent"
+  assert schedule.resolve(backend_interpret.for_option("gpu"), "persistent") == "persistent"
   with pytest.raises(ValueError, match="schedule"):
     pallas_loop.iterate(lambda p, h, x: h, None, jnp.ones((2, 2)), max_iters=1,
                         options=pallas_loop.Options(schedule="round_robin"))
@@ -92,7 +96,8 @@ def _grids(fn, *args):
 
 @pytest.fixture
 def three_programs(monkeypatch):
-  monkeypatch.setattr(backend_triton, "persistent_programs", lambda config, tiles: PROGRAMS)
+  # Interpret mode's persistent grid: one program an SM, at most the tiles.
+  monkeypatch.setattr(backend_interpret, "INTERPRET_SMS", PROGRAMS)
 
 
 def _problem(dtype=jnp.float32):

@@ -69,13 +69,13 @@ def test_tune_block_rows_times_every_candidate():
 
 def test_tune_block_rows_reports_rejected_candidates(monkeypatch):
   """A tile the backend's rules reject is reported with the reason."""
-  # Interpret mode (the TPU's rules: `backend_interpret.ON_TPU`) made to
-  # reject short tiles.
+  # Interpret mode (the TPU's rules: `backend_interpret.for_option(True)`)
+  # made to reject short tiles.
   strict = dataclasses.replace(
-      backend_interpret.ON_TPU,
+      backend_interpret.for_option(True),
       block_problems=lambda blocks: ["fewer than 16 rows"] if blocks[0].block_shape[0] < 16
       else [])
-  monkeypatch.setattr(backend_interpret, "ON_TPU", strict)
+  monkeypatch.setitem(backend_interpret.INTERPRETERS, "tpu", strict)
   step, params, h0, x, n = _workload()
   result = tuning.tune_block_rows(step, params, h0, x, iters=n, max_iters=6,
                                   candidates=(8, 16), repeats=1)

@@ -1,11 +1,15 @@
 """What distinguishes one Pallas backend from another for the iterate kernel.
 
-The kernel bodies (`kernel_forward.py`, `kernel_backward.py`) are shared; a
-`Backend` supplies only what differs: the block-shape rules, the compiler
-parameters, the default tile height, the primitives its lowering knows, and
-the interpret mode. One instance per
-backend lives in `backend_triton.py`, `backend_mosaic_tpu.py` and here
-(`INTERPRET`, the CPU-runnable one).
+A `Backend` holds all that is its own: the platforms it serves, how its
+kernels launch (rows gathered into tiles, or read by index; persistent
+programs), its block and configuration rules, its evaluation rules
+(`jaxpr_eval.Rules`), its tile heights (the default and what tuning tries),
+its interpret mode, and optionally a forward kernel of its own. The shared
+kernels (`kernel_forward.py`, `kernel_backward.py`), `dispatch.py` and
+`tuning.py` read these fields and never name a backend. The compiled
+backends are listed in `backends.py` (one line each); interpret mode is
+`INTERPRET` here, made into one backend per compiled target by
+`backend_interpret.py`.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ class Backend:
 
   Attributes:
     name: short name used in kernel names, errors and warnings.
-    platforms: the lowering platforms it compiles for (empty: interpret).
+    platforms: the lowering platforms it compiles for (`lax.platform_dependent`
+      keys, e.g. "cuda"; empty: interpret mode, which runs everywhere).
     default_block_rows: B -> rows per tile when the caller gives none.
     block_problems: blocks -> a message per violated block rule.
     configure: (footprint, block_rows_given) -> (KernelConfig or None,
@@ -79,9 +84,29 @@ class Backend:
       (`step_problems`) it applies (`backend_interpret.py`); None: its own.
     plan_forward: the backend's own forward kernel: `plan_forward(backend,
       step_fn, params, consts, h0, x, block_rows, outputs=, sort_rows=,
-      max_iters=)` -> a plan with `.problems`, `.config` and `.run(ops,
-      sort_rows=, residual=, schedule=)`; None: the tile kernel every
-      backend shares (`kernel_forward.plan`).
+      max_iters=, approx_tanh=)` -> a plan with `.problems`, `.config` and
+      `.run(ops, sort_rows=, residual=, schedule=)`; None: the tile kernel
+      every backend shares (`kernel_forward.plan`).
+    device_platform: its devices' platform as JAX names it
+      (`jax.default_backend()`, `Device.platform`, an abstract mesh's), e.g.
+      "gpu"; also the `Options(interpret=...)` string that applies its rules
+      in interpret mode. None for interpret mode.
+    label: how messages name its platform, e.g. "GPU (Triton)".
+    indexed_rows: its kernels read and write their rows by index in the
+      caller's order (`schedule.over_tiles`); False: the rows are gathered
+      into tiles before the kernel and put back after (`tiling.in_tiles`).
+    persistent_programs: (config, tiles) -> the persistent schedule's grid
+      (`schedule.py`), for a backend with `indexed_rows`; None: it runs the
+      grid schedule only.
+    tile_candidates: (low, high): the powers of two `tuning.default_candidates`
+      tries on its platform.
+    eval_rules: how its kernels evaluate the step (`jaxpr_eval.Rules`; its
+      `configure` puts them in the `KernelConfig`).
+    interpret_eval_rules: how interpret mode under its rules evaluates the
+      step (e.g. fast math emulated in jnp); None: `eval_rules`.
+    interpret_params: (type, spelling): the `Options(interpret=...)` objects
+      with which Pallas interprets its kernels with its own semantics (e.g.
+      `pltpu.InterpretParams`), and how messages spell the type; None: none.
   """
 
   name: str
@@ -95,6 +120,45 @@ class Backend:
   smallest_default_rows: int = 16
   checks: Backend | None = None
   plan_forward: Callable[..., Any] | None = None
+  device_platform: str | None = None
+  label: str = ""
+  indexed_rows: bool = False
+  persistent_programs: Callable[[KernelConfig | None, int], int] | None = None
+  tile_candidates: tuple[int, int] = (8, 256)
+  eval_rules: jaxpr_eval.Rules = jaxpr_eval.PLAIN
+  interpret_eval_rules: jaxpr_eval.Rules | None = None
+  interpret_params: tuple[type, str] | None = None
+
+
+def configure(backend: Backend, fp: Any, block_rows_given: bool, *, state: Any,
+              approx_tanh: bool | None) -> tuple[KernelConfig | None, list[str]]:
+  """`backend.configure(fp, block_rows_given)` for one call: its
+  configuration evaluates the step with the tanh this call asks for
+  (`jaxpr_eval.for_state`). Every planner configures through this.
+
+  Args:
+    backend: the backend planned for.
+    fp: the kernel's `footprint.Footprint`.
+    block_rows_given: whether the caller chose the tile height.
+    state: the call's carried state (arrays or avals: their dtypes count).
+    approx_tanh: `Options.approx_tanh`.
+
+  Returns:
+    (KernelConfig or None, problems), as `Backend.configure`.
+  """
+  config, problems = backend.configure(fp, block_rows_given)
+  return for_call(config, state, approx_tanh), problems
+
+
+def for_call(config: KernelConfig | None, state: Any, approx_tanh: bool | None
+             ) -> KernelConfig | None:
+  """`config` (None stays None) with the step's evaluation rules for a call
+  with carried `state` and `Options.approx_tanh` (`jaxpr_eval.for_state`):
+  for a planner that makes its `KernelConfig` itself."""
+  if config is None:
+    return None
+  return dataclasses.replace(
+      config, eval_rules=jaxpr_eval.for_state(config.eval_rules, state, approx_tanh))
 
 
 def iter_eqns(jaxpr: jex_core.Jaxpr) -> Iterator[jex_core.JaxprEqn]:
@@ -234,7 +298,9 @@ def _interpret_block_rows(batch: int) -> int:
 
 
 # Interpret mode without a target's rules: `backend_interpret.py` makes the
-# backends `iterate` runs (the TPU's or the GPU's rules applied) from it.
+# backends `iterate` runs from it (one per compiled backend, whose rules it
+# applies). Its tile candidates are tuning's on a platform no compiled
+# backend serves (the CPU).
 INTERPRET = Backend(
     name="interpret",
     platforms=(),

@@ -28,6 +28,13 @@ from pallas_loop._src import footprint as footprint_lib
 from pallas_loop._src import jaxpr_eval
 
 
+# How the Mosaic kernels evaluate the step (`jaxpr_eval.Rules`): dots
+# rewritten into the forms Mosaic compiles, narrow dots accumulated in
+# float32 as XLA does on a TPU, the logistic through tanh.
+EVAL_RULES = jaxpr_eval.Rules(merge_leading_contractions=True, canonical_dots=True,
+                              wide_accumulators=True, logistic_via_tanh=True)
+
+
 def _block_problems(blocks: Sequence[backend_lib.Block]) -> list[str]:
   problems = []
   for b in blocks:
@@ -176,7 +183,7 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool
   # Row tiles are independent: let Mosaic split them across TensorCores.
   params = pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit)
   return backend_lib.KernelConfig(
-      block_rows=fp.block_rows, compiler_params=params, eval_rules=jaxpr_eval.MOSAIC,
+      block_rows=fp.block_rows, compiler_params=params, eval_rules=EVAL_RULES,
       estimate={"vmem_bytes": need, "vmem_limit_bytes": limit or default}), []
 
 
@@ -267,4 +274,16 @@ MOSAIC_TPU = backend_lib.Backend(
     extra_problems=lambda jaxpr: _random_problems(jaxpr) + _narrow_scalar_problems(jaxpr),
     smallest_default_rows=SMALLEST_TILE,
     plan_forward=_plan_forward,
+    device_platform="tpu",
+    label="TPU (Mosaic)",
+    # Mosaic keeps its blocks (rows gathered into tiles before the kernel,
+    # put back after): a gather from HBM would be a DMA per row. A TPU core
+    # runs the grid's tiles in order, longest first, which is what a
+    # persistent program would do: the grid schedule only.
+    indexed_rows=False,
+    # A TPU core runs tiles one after another, and tiles under 128 rows were
+    # 1.2-2.4x slower than the fastest on a v5e (RESULTS.md): 128 to 2048.
+    tile_candidates=(SMALLEST_TILE, 2048),
+    eval_rules=EVAL_RULES,
+    interpret_params=(pltpu.InterpretParams, "jax.experimental.pallas.tpu.InterpretParams"),
 )

@@ -22,6 +22,16 @@ from pallas_loop._src import jaxpr_eval
 from pallas_loop._src import schedule as schedule_lib
 
 
+# How the Triton kernels evaluate the step (`jaxpr_eval.Rules`): the
+# rewrites XLA's Triton pipeline needs to compile a kernel at all, or within
+# shared memory, and the GPU's fast tanh/logistic (`fast_math.py`).
+EVAL_RULES = jaxpr_eval.Rules(swap_transposed_dots=True, fence_transposed_operands=True,
+                              integer_mask_selects=True, split_dot_bytes=32768,
+                              fast_math=True)
+# Interpret mode under Triton's rules: the fast math emulated in jnp (no PTX).
+INTERPRET_EVAL_RULES = dataclasses.replace(EVAL_RULES, emulate_fast_math=True)
+
+
 def _is_power_of_2(n: int) -> bool:
   return n >= 1 and (n & (n - 1)) == 0
 
@@ -153,7 +163,7 @@ def shared_memory_estimate(fp: footprint_lib.Footprint, on_chip: bool, warps: in
   Triton stages both operands of a dot in shared memory. Held on chip, every
   shared dot operand stays staged for the whole loop, plus one row operand;
   re-read where used, one dot's operands at a time, a re-read weight in K
-  chunks of at most `jaxpr_eval.TRITON.split_dot_bytes`. Layout conversions and
+  chunks of at most `EVAL_RULES.split_dot_bytes`. Layout conversions and
   cross-warp reductions take up to two row values (float32) more, and a
   weight gradient's accumulator leaves the dot through a layout conversion
   staged `16 * warps` rows at a time (float32).
@@ -161,7 +171,7 @@ def shared_memory_estimate(fp: footprint_lib.Footprint, on_chip: bool, warps: in
   scratch = 2 * fp.largest_row_value_bytes + gradient_conversion_bytes(fp, warps)
   if on_chip:
     return fp.shared_dot_bytes() + fp.largest_row_operand_bytes() + scratch
-  return fp.largest_dot_bytes(jaxpr_eval.TRITON.split_dot_bytes) + scratch
+  return fp.largest_dot_bytes(EVAL_RULES.split_dot_bytes) + scratch
 
 
 def gradient_conversion_bytes(fp: footprint_lib.Footprint, warps: int) -> int:
@@ -246,7 +256,7 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool
           block_rows=fp.block_rows, shared_on_chip=on_chip,
           compiler_params=_compiler_params(warps),
           prefer_xla=None if on_chip else prefer_xla(fp, spec),
-          eval_rules=jaxpr_eval.TRITON,
+          eval_rules=EVAL_RULES,
           estimate={"shared_memory_bytes": smem, "num_warps": warps}), []
   big = max(fp.dots, key=lambda d: sum(d.operand_bytes))
   return None, [
@@ -289,4 +299,15 @@ TRITON = backend_lib.Backend(
     configure=configure,
     lowering_rules=_lowering_rules,
     extra_problems=_dot_problems,
+    device_platform="gpu",
+    label="GPU (Triton)",
+    # Pallas' Triton lowering takes an int32 vector as a ref indexer (pointer
+    # arithmetic), so the kernels read their rows in the caller's order: no
+    # gathers before the kernel, no scatter after (`schedule.py`).
+    indexed_rows=True,
+    persistent_programs=persistent_programs,
+    # From 8 rows (tiles Triton's dots decline are reported by tuning) to 256.
+    tile_candidates=(8, 256),
+    eval_rules=EVAL_RULES,
+    interpret_eval_rules=INTERPRET_EVAL_RULES,
 )

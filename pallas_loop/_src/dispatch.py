@@ -2,19 +2,20 @@
 
 Which Pallas backend runs, with which block rules and compiler parameters,
 depends on the platform being lowered for, not on `jax.default_backend()`:
-a CPU machine must be able to export the GPU and TPU kernels. So the choice is
-a `lax.platform_dependent` whose branches are all traced but of which only the
-target platform's branch is lowered. A branch whose backend rules fail must
-not raise while tracing (it would break lowering for the other platforms), so
-it returns a placeholder primitive that raises (`Options(implementation=
-"pallas")`) or warns once and falls back to XLA (`implementation=None`, the
-default) when, and only when, it is lowered.
+a CPU machine must be able to export every accelerator's kernels. So the
+choice is a `lax.platform_dependent` with a branch per lowering platform of
+each compiled backend (`backends.compiled()`: this module names none), all
+traced, of which only the target platform's branch is lowered. A branch
+whose backend rules fail must not raise while tracing (it would break
+lowering for the other platforms), so it returns a placeholder primitive
+that raises (`Options(implementation="pallas")`) or warns once and falls back
+to XLA (`implementation=None`, the default) when, and only when, it is
+lowered.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import jax
@@ -26,9 +27,7 @@ from jax.interpreters import mlir
 
 from pallas_loop._src import backend as backend_lib
 from pallas_loop._src import backend_interpret
-from pallas_loop._src import backend_mosaic_tpu
-from pallas_loop._src import backend_triton
-from pallas_loop._src import jaxpr_eval
+from pallas_loop._src import backends
 from pallas_loop._src import kernel_backward
 from pallas_loop._src import kernel_forward
 from pallas_loop._src import notices
@@ -141,10 +140,12 @@ def _problem_message(what: str, backend: backend_lib.Backend, problems: Sequence
              f"{name} {what} kernel cannot run this step: {listed}. Fix the "
              "shapes as described, or use options=pallas_loop.Options(implementation='xla').")
   if backend.checks is not None:
-    other = "gpu" if backend.checks.platforms == ("tpu",) else "tpu"
+    others = "; ".join(f"interpret='{key}' applies the {target.name} kernel's"
+                       for key, target in backend_interpret.targets().items()
+                       if target is not backend.checks)
     message += (f" (Interpret mode applies the {name} kernel's rules, so that the CPU "
-                f"declines what the accelerator would; interpret='{other}' applies the "
-                f"{backend_interpret.TARGETS[other].name} kernel's.)")
+                f"declines what the accelerator would"
+                + (f"; {others}.)" if others else ".)"))
   return message
 
 
@@ -189,10 +190,13 @@ def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[...,
       return raise_when_lowered(message, run_xla, ops)
     return branch
 
+  compiled = backends.compiled()
+
   def no_compiled_backend(ops: Any) -> Any:
+    platforms = " or ".join(b.label or b.name for b in compiled)
     return raise_when_lowered(
         "pallas_loop.Options(implementation='pallas', interpret=False) needs a "
-        "GPU (Triton) or TPU (Mosaic) platform; on this platform pass "
+        f"{platforms} platform; on this platform pass "
         "interpret=True (or leave interpret=None).", run_xla, ops)
 
   if implementation == "xla":
@@ -205,12 +209,15 @@ def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[...,
                else no_compiled_backend)
   else:
     default = run_xla
-  triton = on(backend_triton.TRITON, fallback=not strict)
-  mosaic = on(backend_mosaic_tpu.MOSAIC_TPU, fallback=not strict)
+  # Each compiled backend's branch (one function, so traced once), under
+  # each lowering platform it serves.
+  branches = {}
+  for backend in compiled:
+    branch = on(backend, fallback=not strict)
+    branches.update({platform: branch for platform in backend.platforms})
 
   def select(ops: Any) -> Any:
-    return lax.platform_dependent(
-        ops, cuda=triton, rocm=triton, tpu=mosaic, default=default)
+    return lax.platform_dependent(ops, default=default, **branches)
 
   return select
 
@@ -236,27 +243,18 @@ def forward_fn(step_fn: step_fn_lib.StepFn, options: Options, *, max_iters: int,
 
   def plan(backend: backend_lib.Backend, ops: LoopOperands) -> Any:
     if backend.plan_forward is None:
-      p = kernel_forward.plan(backend, step_fn, ops.params, ops.consts, ops.h0, ops.x,
-                              options.block_rows, outputs=outputs)
-    else:  # the backend's own kernel
-      p = backend.plan_forward(backend, step_fn, ops.params, ops.consts, ops.h0, ops.x,
-                               options.block_rows, outputs=outputs, sort_rows=options.sort_rows,
-                               max_iters=max_iters)
-    return _with_tanh(p, ops.h0, options)
+      return kernel_forward.plan(backend, step_fn, ops.params, ops.consts, ops.h0, ops.x,
+                                 options.block_rows, outputs=outputs,
+                                 approx_tanh=options.approx_tanh)
+    # the backend's own kernel
+    return backend.plan_forward(backend, step_fn, ops.params, ops.consts, ops.h0, ops.x,
+                                options.block_rows, outputs=outputs, sort_rows=options.sort_rows,
+                                max_iters=max_iters, approx_tanh=options.approx_tanh)
 
   def run_kernel(p: Any, ops: LoopOperands) -> LoopOutputs:
     return p.run(ops, sort_rows=options.sort_rows, residual=residual, schedule=options.schedule)
 
   return _per_platform("forward", plan, run_kernel, run_xla, options)
-
-
-def _with_tanh(p: Any, h: Any, options: Options) -> Any:
-  """A kernel plan whose step evaluation computes tanh as this call asks
-  (`Options.approx_tanh`, `jaxpr_eval.for_state`)."""
-  if p.config is None:
-    return p
-  rules = jaxpr_eval.for_state(p.config.eval_rules, h, options.approx_tanh)
-  return dataclasses.replace(p, config=dataclasses.replace(p.config, eval_rules=rules))
 
 
 def window_fn(step_fn: step_fn_lib.StepFn,
@@ -272,11 +270,11 @@ def window_fn(step_fn: step_fn_lib.StepFn,
       return xla_backward.backward(step_fn, ops, window=bound, every=every)
 
     def plan(backend: backend_lib.Backend, ops: WindowOperands) -> kernel_backward.WindowPlan:
-      return _with_tanh(kernel_backward.plan(
+      return kernel_backward.plan(
           backend, step_fn, ops.params, ops.consts, ops.h_start, ops.x,
           block_rows=options.block_rows, bound=bound, every=every,
-          outputs=None if ops.g_ys is None else step_fn_lib.avals(ops.g_ys)),
-                        ops.h_start, options)
+          outputs=None if ops.g_ys is None else step_fn_lib.avals(ops.g_ys),
+          approx_tanh=options.approx_tanh)
 
     def run_kernel(p: kernel_backward.WindowPlan, ops: WindowOperands) -> Gradients:
       return kernel_backward.run(p, ops, sort_rows=options.sort_rows, schedule=options.schedule)

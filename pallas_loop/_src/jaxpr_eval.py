@@ -90,12 +90,8 @@ class Rules:
   logistic_via_tanh: bool = False
 
 
+# No rewrites. Each backend holds its own rules (`Backend.eval_rules`).
 PLAIN = Rules()
-TRITON = Rules(swap_transposed_dots=True, fence_transposed_operands=True,
-               integer_mask_selects=True, split_dot_bytes=32768, fast_math=True)
-TRITON_INTERPRET = dataclasses.replace(TRITON, emulate_fast_math=True)
-MOSAIC = Rules(merge_leading_contractions=True, canonical_dots=True, wide_accumulators=True,
-               logistic_via_tanh=True)
 
 
 def for_state(rules: Rules, h: Any, approx_tanh: bool | None = None) -> Rules:
@@ -107,12 +103,13 @@ def for_state(rules: Rules, h: Any, approx_tanh: bool | None = None) -> Rules:
     approx_tanh: `iterate`'s: None: the approximate tanh where every
       floating leaf of the state is 16-bit (`fast_math.py` says why its
       error bound then holds); True/False: always/never. Only where the
-      backend computes fast math (Triton).
+      backend computes fast math (`Rules.fast_math`).
 
   Example:
-    >>> for_state(TRITON, jax.numpy.zeros((4, 8), jax.numpy.bfloat16)).approx_tanh
+    >>> fast = Rules(fast_math=True)
+    >>> for_state(fast, jax.numpy.zeros((4, 8), jax.numpy.bfloat16)).approx_tanh
     True
-    >>> for_state(TRITON, jax.numpy.zeros((4, 8))).approx_tanh
+    >>> for_state(fast, jax.numpy.zeros((4, 8))).approx_tanh
     False
   """
   wanted = fast_math.sixteen_bit(h) if approx_tanh is None else approx_tanh

@@ -237,7 +237,7 @@ class WindowPlan:
 
 
 def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
-         every: int | None, outputs=None) -> WindowPlan:
+         every: int | None, outputs=None, approx_tanh: bool | None = None) -> WindowPlan:
   """Plans the backward kernel: the forward's tile plan (`kernel.plan`: tile
   shape, traced step, block rules of the step's operands) plus the VJP's needs.
 
@@ -247,16 +247,19 @@ def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
     block_rows: rows per tile or None.
     bound: static bound on the window length; every: checkpoint interval.
     outputs: the per-step outputs' [B, T, ...] avals, or None.
+    approx_tanh: `Options.approx_tanh` (the configuration's evaluation rules
+      take it: `backend.configure`).
   """
   every = every or loop_reverse.default_every(bound)
   batch = tree_util.tree_leaves(h)[0].shape[0]
   return kernel.configured(backend, batch, block_rows, lambda tb: _plan_at(
       backend, step_fn, params, consts, h, x, tb, given=block_rows is not None,
-      bound=bound, every=every, outputs=outputs))
+      bound=bound, every=every, outputs=outputs, approx_tanh=approx_tanh))
 
 
-def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every, outputs=None):
-  tile = kernel.plan(backend, step_fn, params, consts, h, x, tb)
+def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every, outputs=None,
+             approx_tanh=None):
+  tile = kernel.plan(backend, step_fn, params, consts, h, x, tb, approx_tanh=approx_tanh)
   if tile.config is None and tile.footprint is None:  # declined before measuring
     return WindowPlan(tile=tile, config=None, footprint=None, every=every, slots=(0, 0),
                       shared_shapes=(), shared_float=(), x_float=(), problems=tile.problems)
@@ -321,7 +324,8 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every,
                 + g_ys_blocks)
   fp = footprint_lib.measure([(jaxpr, len(shared))], batch=h_tiles_batch, block_rows=tb,
                              shared_avals=shared_avals, row_block_avals=row_blocks)
-  config, config_problems = backend.configure(fp, given)
+  config, config_problems = backend_lib.configure(backend, fp, given, state=h,
+                                                  approx_tanh=approx_tanh)
   return WindowPlan(
       tile=tile, config=config, footprint=fp, every=every, slots=slots,
       shared_shapes=tuple(np.shape(a) for a in shared),
@@ -334,8 +338,9 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every,
 def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool, schedule: str | None = None,
         programs: int | None = None) -> Gradients:
   """Runs the backward kernel on the rows in tiles: read and written by index
-  on Triton (`schedule.over_tiles`), gathered into tiles before and put back
-  after on Mosaic (`tiling.in_tiles`), as the forward (`kernel.run`).
+  on a backend with `indexed_rows` (`schedule.over_tiles`), else gathered
+  into tiles before and put back after (`tiling.in_tiles`), as the forward
+  (`kernel.run`).
 
   Args:
     wp: from `plan`, with no problems.
@@ -400,7 +405,7 @@ def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool, schedule: str |
 
   g_ys_in = [a for a, f in zip(tree_util.tree_leaves(ops.g_ys), wp.y_float) if f]
   batch = ops.n.shape[0]
-  if tile.backend.name not in schedule_lib.INDEXED_BACKENDS or batch == 0:
+  if not tile.backend.indexed_rows or batch == 0:
     (g_h, g_x), tile_sums = tiling.in_tiles(
         on_tiles, (ops.h_start, ops.x, ops.g, ops.t0, ops.row_ids, g_ys_in),
         ops.n, rows=padded,

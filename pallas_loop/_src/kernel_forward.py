@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import backend_triton
 from pallas_loop._src import footprint as footprint_lib
 from pallas_loop._src import jaxpr_eval
 from pallas_loop._src import loop as loop_lib
@@ -279,16 +278,20 @@ def configured(backend, batch: int, block_rows, plan_at):
   return p
 
 
-def plan(backend, step_fn, params, consts, h0, x, block_rows=None, outputs=None) -> TilePlan:
+def plan(backend, step_fn, params, consts, h0, x, block_rows=None, outputs=None, *,
+         approx_tanh: bool | None = None) -> TilePlan:
   """Traces the step at the tile shape and checks the backend's rules
-  (`outputs`: the per-step outputs' [B, T, ...] avals, or None)."""
+  (`outputs`: the per-step outputs' [B, T, ...] avals, or None;
+  `approx_tanh`: `Options.approx_tanh`, which the configuration's
+  evaluation rules take: `backend.configure`)."""
   batch = tree_util.tree_leaves(h0)[0].shape[0]
   return configured(backend, batch, block_rows, lambda tb: _plan_at(
       backend, step_fn, params, consts, h0, x, tb, given=block_rows is not None,
-      outputs=outputs))
+      outputs=outputs, approx_tanh=approx_tanh))
 
 
-def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given, outputs=None) -> TilePlan:
+def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given, outputs=None,
+             approx_tanh=None) -> TilePlan:
   batch = tree_util.tree_leaves(h0)[0].shape[0]
   padded = tiling.padded_rows(batch, tb)
   traced = step_fn.specialize(params, consts, step_fn_lib.avals(h0, tb), step_fn_lib.avals(x, tb))
@@ -327,7 +330,8 @@ def _plan_at(backend, step_fn, params, consts, h0, x, tb, *, given, outputs=None
       [(traced.jaxpr, len(tree_util.tree_leaves(params)))], batch=batch, block_rows=tb,
       shared_avals=[jax.ShapeDtypeStruct(shared_2d(a), jnp.result_type(a)) for a in shared],
       row_block_avals=row_blocks)
-  config, config_problems = backend.configure(fp, given)
+  config, config_problems = backend_lib.configure(backend, fp, given, state=h0,
+                                                  approx_tanh=approx_tanh)
   return TilePlan(
       backend=backend, block_rows=tb, rows=padded, traced=traced,
       param_shapes=tuple(np.shape(a) for a in tree_util.tree_leaves(params)),
@@ -351,9 +355,9 @@ def run(tile_plan: TilePlan, ops: LoopOperands, *, sort_rows: bool,
         programs: int | None = None) -> LoopOutputs:
   """Runs the kernel on the rows in tiles.
 
-  On Triton (and its interpret mode) the kernel reads and writes its rows by
+  On a backend with `indexed_rows` the kernel reads and writes its rows by
   index in the caller's order (`schedule.over_tiles`, `tiling.slot_rows`);
-  on Mosaic the rows are gathered into tiles before and put back after
+  on the others the rows are gathered into tiles before and put back after
   (`tiling.in_tiles`).
 
   Args:
@@ -408,7 +412,7 @@ def run(tile_plan: TilePlan, ops: LoopOperands, *, sort_rows: bool,
     return (h_out, *(a[:, 0] for a in outs[n_h:n_h + 3]), ys_out), None
 
   batch = ops.counts.shape[0]
-  if tile_plan.backend.name not in schedule_lib.INDEXED_BACKENDS or batch == 0:
+  if not tile_plan.backend.indexed_rows or batch == 0:
     (h, residual_out, steps, halted, ys_out), _ = tiling.in_tiles(
         on_tiles, (ops.h0, ops.x, ops.row_ids), ops.counts, rows=padded, sort=sort_rows,
         must_be_finite=False)
@@ -446,7 +450,7 @@ def tile_count_programs(tile_plan: TilePlan, tiles: int, schedule: str | None,
                         programs: int | None) -> int:
   """The grid size of a kernel over `tiles` tiles: `tiles` for the grid
   schedule; for the persistent one `programs`, or the backend's rule
-  (`backend_triton.persistent_programs`).
+  (`Backend.persistent_programs`).
 
   Args:
     tile_plan: the kernel's plan (backend, configuration).
@@ -457,8 +461,10 @@ def tile_count_programs(tile_plan: TilePlan, tiles: int, schedule: str | None,
   Returns:
     The number of programs, in [1, tiles].
   """
-  if schedule_lib.resolve(tile_plan.backend.name, schedule) == "grid":
+  backend = tile_plan.backend
+  rule = backend.persistent_programs
+  if rule is None or schedule_lib.resolve(backend, schedule) == "grid":
     return tiles
   if programs is None:
-    programs = backend_triton.persistent_programs(tile_plan.config, tiles)
+    programs = rule(tile_plan.config, tiles)
   return max(1, min(tiles, programs))

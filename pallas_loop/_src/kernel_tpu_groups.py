@@ -53,7 +53,6 @@ import numpy as np
 from pallas_loop._src import backend as backend_lib
 from pallas_loop._src import backend_mosaic_tpu
 from pallas_loop._src import footprint as footprint_lib
-from pallas_loop._src import jaxpr_eval
 from pallas_loop._src import kernel_forward
 from pallas_loop._src import loop as loop_lib
 from pallas_loop._src import step_fn as step_fn_lib
@@ -139,7 +138,8 @@ def default_chunk_rows(batch: int) -> int:
 
 def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, consts, h0, x,
          block_rows: int | None = None, outputs: Any = None, *,
-         sort_rows: bool = True, max_iters: int, halving: bool = False) -> Any:
+         sort_rows: bool = True, max_iters: int, halving: bool = False,
+         approx_tanh: bool | None = None) -> Any:
   """The group kernel's plan, or the tile kernel's where this one does not
   apply (per-step outputs, unsorted rows).
 
@@ -152,13 +152,15 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
     max_iters: T, the counts' static bound.
     halving: `block_rows` is a default chunk halved because the one twice
       as tall did not fit (it may be halved again).
+    approx_tanh: `Options.approx_tanh` (the configuration's evaluation
+      rules take it: `backend_lib.for_call`).
 
   Returns:
     A `GroupPlan`, or a `kernel_forward.TilePlan`.
   """
   if outputs is not None or not sort_rows:
     return kernel_forward.plan(backend, step_fn, params, consts, h0, x, block_rows,
-                               outputs=outputs)
+                               outputs=outputs, approx_tanh=approx_tanh)
   batch = tree_util.tree_leaves(h0)[0].shape[0]
   chunk = block_rows or default_chunk_rows(batch)
   traced = step_fn.specialize(params, consts, step_fn_lib.avals(h0, chunk),
@@ -203,13 +205,15 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
       [(traced.jaxpr, n_params)], batch=batch, block_rows=chunk, shared_avals=shared_avals,
       row_block_avals=_row_blocks(h0, x, chunk, columns=4))
   config, group, config_problems = _configure(backend, fp, batch, chunk, h0, x, shared_avals)
+  config = backend_lib.for_call(config, h0, approx_tanh)
   if (config is None and (block_rows is None or halving) and not problems
       and chunk // 2 >= backend_mosaic_tpu.SMALLEST_TILE):
     # The default chunk's values do not fit (multi-head attention keeps
     # [C, H, L, L] probabilities and [C, L, H, K] heads alive, padded to
     # VMEM's tiles): halve it, as `kernel_forward.configured` halves a tile.
     return plan(backend, step_fn, params, consts, h0, x, chunk // 2, outputs,
-                sort_rows=sort_rows, max_iters=max_iters, halving=True)
+                sort_rows=sort_rows, max_iters=max_iters, halving=True,
+                approx_tanh=approx_tanh)
   padded = tiling.padded_rows(tiling.padded_rows(batch, chunk), group)
   return GroupPlan(
       backend=backend, chunk_rows=chunk, group_rows=group, rows=padded, traced=traced,
@@ -246,7 +250,7 @@ def _configure(backend, fp, batch, chunk, h0, x, shared_avals):
   """
   if not backend.platforms:  # interpret mode: no VMEM to fit
     group = _group_rows(batch, chunk, limit=None)
-    return backend_lib.KernelConfig(block_rows=chunk, eval_rules=jaxpr_eval.MOSAIC), group, []
+    return backend_lib.KernelConfig(block_rows=chunk, eval_rules=backend_mosaic_tpu.EVAL_RULES), group, []
   default, physical = backend_mosaic_tpu.vmem(backend_lib.device_kind("tpu"))
   cap = physical * 7 // 8 if physical > default else default
   per_row = sum(backend_mosaic_tpu.padded_bytes(a.shape, a.dtype)
@@ -271,7 +275,7 @@ def _configure(backend, fp, batch, chunk, h0, x, shared_avals):
   params = pltpu.CompilerParams(dimension_semantics=("parallel",),
                                 vmem_limit_bytes=None if limit <= default else limit)
   return backend_lib.KernelConfig(
-      block_rows=chunk, compiler_params=params, eval_rules=jaxpr_eval.MOSAIC,
+      block_rows=chunk, compiler_params=params, eval_rules=backend_mosaic_tpu.EVAL_RULES,
       estimate={"vmem_bytes": need, "vmem_limit_bytes": max(limit, default),
                 "group_rows": group}), group, []
 

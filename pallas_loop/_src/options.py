@@ -13,8 +13,6 @@ import dataclasses
 import operator
 from typing import Any, Mapping
 
-from jax.experimental.pallas import tpu as pltpu
-
 from pallas_loop._src import backend_interpret
 from pallas_loop._src.schedule import SCHEDULES
 
@@ -99,10 +97,7 @@ class Options:
     implementation, interpret = self.implementation, self.interpret
     if implementation not in IMPLEMENTATIONS:
       raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}.")
-    if not (interpret is None or isinstance(interpret, (bool, str, pltpu.InterpretParams))):
-      raise TypeError(f"{interpret=} must be None, True, False, 'tpu', 'gpu' or a "
-                      "jax.experimental.pallas.tpu.InterpretParams().")
-    backend_interpret.check_option(interpret)
+    backend_interpret.check_option(interpret)  # the targets' names and objects
     if implementation == "xla" and interpret not in (None, False):
       raise ValueError("interpret= applies to the Pallas kernel; it has no "
                        "meaning with implementation='xla'.")

@@ -10,8 +10,8 @@ Two schedules of the tiles (rows ordered by descending count, `tiling.py`):
   * "persistent": P programs, program p taking tiles p, p + P, p + 2P, ...
     (`tiles_of_program`), longest first: the P longest tiles run at once,
     each on its own program, and a program that finishes a short tile takes
-    the next. P (`programs`) is the device's SM count (the `Gpu` table in
-    `backend_triton.py`, by device kind) times the programs that fit an SM
+    the next. P is the backend's rule (`Backend.persistent_programs`); on a
+    GPU (`programs`) the device's SM count times the programs that fit an SM
     by registers, counted at the worst case of 255 registers a thread
     (65,536 registers an SM): 1 with 8 warps, 2 with 4; at most the tiles.
 
@@ -19,19 +19,18 @@ The default (`resolve`, schedule=None) is "grid" on every backend. On the GPU
 no run has measured either yet: the compiled loop is the same in both (the
 persistent one wraps it in a loop over the program's tiles), so the code
 gives no reason to change the launch before `benchmarks/gpu_check.py` times
-both on the first GPU; that run decides. On the TPU the grid is a sequential
-loop on one TensorCore (v5e, v6e): its tiles already run one after another,
-longest first, which is what a persistent program does, so "persistent"
-runs the grid there (the same order).
+both on the first GPU; that run decides. A backend without a persistent rule
+(the TPU's: its grid is a sequential loop on one TensorCore, whose tiles
+already run one after another, longest first, as a persistent program's
+would) runs the grid whatever is asked.
 
-Indexed rows (Triton and the Triton-semantics interpret mode): the kernel's
-per-row refs are the whole arrays in the caller's row order, and a program
-reads its tile's rows by index (a gather load of rows `order[t*TB:(t+1)*TB]`)
-and writes its results back to the same places (a scatter store): no
-gathers before the kernel and no inverse-permutation scatter after it. Pallas'
-Triton lowering takes an int32 vector as a ref indexer (pointer arithmetic,
-`_compute_offsets_from_indices`). Mosaic (TPU) keeps its blocks (gathered
-before, scattered after): a gather from HBM would be a DMA per row.
+Indexed rows (`Backend.indexed_rows`: a GPU's, and interpret mode's): the
+kernel's per-row refs are the whole arrays in the caller's row order, and a
+program reads its tile's rows by index (a gather load of rows
+`order[t*TB:(t+1)*TB]`) and writes its results back to the same places (a
+scatter store): no gathers before the kernel and no inverse-permutation
+scatter after it. The other backends keep their blocks (gathered before,
+scattered after: `tiling.in_tiles`).
 """
 
 from __future__ import annotations
@@ -48,27 +47,30 @@ SCHEDULES = ("grid", "persistent")
 REGISTERS_PER_SM = 65536
 MAX_REGISTERS_PER_THREAD = 255
 
-# Backends whose kernels read rows by index (`RowView` with an index vector).
-INDEXED_BACKENDS = ("triton", "interpret")
-
-
-def resolve(backend_name: str, schedule: str | None) -> str:
+def resolve(backend: Any, schedule: str | None) -> str:
   """The schedule a backend runs: "grid" or "persistent".
 
   Args:
-    backend_name: `Backend.name` ("triton", "mosaic_tpu", "interpret", ...).
-    schedule: the caller's choice; None: the backend's default ("grid").
+    backend: the `Backend` (its `indexed_rows` and `persistent_programs`).
+    schedule: the caller's choice; None: the default ("grid").
 
   Returns:
     "persistent" where asked for and the backend runs programs side by side
-    (Triton, and interpret mode with Triton semantics, to test it); else
-    "grid" (a TPU's sequential grid already runs its tiles in order).
+    (its kernels read rows by index and it has a `persistent_programs`
+    rule); else "grid" (e.g. a TPU's sequential grid already runs its tiles
+    in order).
 
   Example:
-    >>> resolve("triton", None), resolve("triton", "persistent"), resolve("mosaic_tpu", "persistent")
-    ('grid', 'persistent', 'grid')
+    >>> import dataclasses
+    >>> from pallas_loop._src import backend
+    >>> side_by_side = dataclasses.replace(backend.INTERPRET, indexed_rows=True,
+    ...                                    persistent_programs=lambda config, tiles: 2)
+    >>> resolve(side_by_side, None), resolve(side_by_side, "persistent")
+    ('grid', 'persistent')
+    >>> resolve(backend.INTERPRET, "persistent")
+    'grid'
   """
-  if schedule is None or backend_name not in INDEXED_BACKENDS:
+  if schedule is None or not backend.indexed_rows or backend.persistent_programs is None:
     return "grid"
   return schedule
 

@@ -696,7 +696,7 @@ class _Checker:
       where = _where(eqn) or self.outer_where
       user = self.outer_user if self.outer_user and self.outer_user not in where else ""
       origin = (f"{_RANDOM}{eqn.primitive.name}{where}, {_describe_aval(eqn.outvars[0])}"
-                + (f", called from {user[len(" at "):]}" if user else ""))
+                + (f", called from {user[len(' at '):]}" if user else ""))
       return _Val(None, key.ext | new, origin)
     return _Val(None, key.ext, key.origin)
 

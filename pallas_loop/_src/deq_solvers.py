@@ -361,11 +361,8 @@ class Broyden(Solver):
 
   @staticmethod
   def _apply_t(us: tuple, vs: tuple, a: jax.Array) -> jax.Array:
-    """H^T a = -a + sum_i v_i (u_i . a), per row."""
-    out = -a
-    for u, v in zip(us, vs):
-      out = out + v * _row_dot_col(u, a)
-    return out
+    """H^T a = -a + sum_i v_i (u_i . a), per row: `_apply` with u and v swapped."""
+    return Broyden._apply(vs, us, a)
 
   def update(self, state: Any, z: jax.Array, fz: jax.Array) -> tuple[jax.Array, Any]:
     """One Broyden step. Args: state, z, fz as `Solver.update`. Returns: (z_next, state)."""

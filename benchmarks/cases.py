@@ -166,7 +166,7 @@ def gpu_suite(batch: int = 4096) -> tuple[Case, ...]:
 
 
 def tpu_suite() -> tuple[Case, ...]:
-  """`gpu_check` on a TPU: the speed issue's cases. The tanh RNN (D=128,
+  """`gpu_check` on a TPU: the cases the TPU's speed is judged on. The tanh RNN (D=128,
   bf16) at B=32768 and 4096 with constant, uniform and recurrent-depth
   counts; the GRU, LSTM and residual MLP at B=32768 (constant and uniform
   counts: how near the loop is to the matrix unit's bound); a batch whose

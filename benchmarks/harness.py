@@ -428,11 +428,11 @@ def print_rows(results: list[dict]) -> None:
   ratio = lambda v, w: f"{v:{w - 1}.2f}x" if v is not None else f"{'n/a':>{w}s}"
   for r in results:
     name = pallas if r["impl"] == "pallas" else r["impl"]
-    bound = r.get("of_bound")
+    bound = "-" if r.get("of_bound") is None else f"{r['of_bound']:.2f}"
     print(f"{r['case']:56s} {name:18s} {r['seconds'] * 1e3:9.3f} "
           f"{ratio(r['speedup_vs_masked_scan'], 8)} {ratio(r.get('speedup_vs_hoisted_scan'), 10)} "
           f"{ratio(r.get('speedup_vs_vmap_while'), 8)} {r['ns_per_row_step']:7.3f} "
-          f"{(f'{bound:7.2f}' if bound is not None else f'{chr(45):>7s}')} "
+          f"{bound:>7s} "
           f"{r['ideal_speedup']:5.2f}x {r['fraction_of_ideal']:8.2f} "
           f"{r['work_efficiency']:8.3f} "
           f"{r['max_error']:9.2e} {r.get('compile_seconds', float('nan')):9.2f}"

@@ -52,7 +52,7 @@ def inverse_permutation(order: jax.Array, *, by_sort: bool = False) -> jax.Array
 
   By a scatter of the positions, or (`by_sort`) by sorting the order: on a
   TPU an int32 scatter of B=32768 rows took 0.18 ms, a sort 0.05 ms
-  (RESULTS.md, "TPU v5e: the row permutation").
+  (RESULTS.md, "The row permutation (run A)").
   """
   if by_sort:
     return jnp.argsort(order).astype(order.dtype)
@@ -69,8 +69,8 @@ def take_rows(tree: T, index: jax.Array, *, as_one: bool = False) -> T:
   dtypes, 2-byte ones with an even number of elements a row) travel as one
   uint32 array, [B, words], in one gather: on a TPU a row gather costs
   about the same per row whether a row holds 256 or 512 bytes (B=32768:
-  0.10 ms for bf16 [B, 128], 0.08 ms for float32; RESULTS.md, "TPU v5e: the
-  row permutation"), so one gather of every leaf's row costs about one.
+  0.10 ms for bf16 [B, 128], 0.08 ms for float32; RESULTS.md, "The row
+  permutation (run A)"), so one gather of every leaf's row costs about one.
 
   Example:
     >>> take_rows((jnp.arange(3.0), jnp.array([[1, 2], [3, 4], [5, 6]])), jnp.array([2, 0, 1]),

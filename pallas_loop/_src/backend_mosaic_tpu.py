@@ -30,9 +30,11 @@ from pallas_loop._src import jaxpr_eval
 
 # How the Mosaic kernels evaluate the step (`jaxpr_eval.Rules`): dots
 # rewritten into the forms Mosaic compiles, narrow dots accumulated in
-# float32 as XLA does on a TPU, the logistic through tanh.
+# float32 as XLA does on a TPU, bool reshapes and broadcasts done on int32, the
+# logistic through tanh.
 EVAL_RULES = jaxpr_eval.Rules(merge_leading_contractions=True, canonical_dots=True,
-                              wide_accumulators=True, logistic_via_tanh=True)
+                              wide_accumulators=True, int32_bool_shapes=True,
+                              logistic_via_tanh=True)
 
 
 def _block_problems(blocks: Sequence[backend_lib.Block]) -> list[str]:

@@ -152,7 +152,7 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool
 
   The rule: a default-height tile taller than `SMALLEST_TILE` must need at
   most twice the default scoped limit (else no configuration, and
-  `kernel_forward.configured` halves it); a program whose VMEM estimate (`vmem_estimate`),
+  `kernel_toolkit.configured` halves it); a program whose VMEM estimate (`vmem_estimate`),
   doubled, is within the TPU's default scoped limit runs as is; else the kernel asks for
   twice its estimate as its `vmem_limit_bytes`, at most 7/8 of the physical
   VMEM (the rest stays XLA's); an estimate whose `MARGIN` times is beyond

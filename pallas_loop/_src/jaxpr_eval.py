@@ -141,7 +141,7 @@ class LoadOnUse:
     """`lax.dynamic_slice` of the leading axis (the others whole), read from
     the ref alone: `params[index]` of stacked per-step weights [T, ...]
     loads one step's weights, not all T. The ref holds the operand with its
-    leading axis first (a 2-D one as [T, 1, N]: `kernel_forward.
+    leading axis first (a 2-D one as [T, 1, N]: `kernel_toolkit.
     shared_operands`); None when it does not (1-D and 0-d operands)."""
     ref_shape = tuple(self.ref.shape)
     if len(self.shape) < 2 or ref_shape[0] != self.shape[0]:

@@ -41,6 +41,7 @@ from pallas_loop._src import deq_solvers
 from pallas_loop._src import keywords
 from pallas_loop._src import notices
 from pallas_loop._src import options as options_lib
+from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src.iterate import iterate
 from pallas_loop._src.options import Options
 from pallas_loop.halting import row_rms
@@ -259,41 +260,6 @@ class _Flat:
       out.append(z[:, start:start + size].reshape((rows,) + tail).astype(dtype))
       start += size
     return tree_util.tree_unflatten(self.treedef, out)
-
-
-class _Hoisted:
-  """`fn(params, z, x)` with the arrays it closes over as explicit operands, at any row count.
-
-  The captured arrays (tracers of an enclosing trace, e.g. a `jax.grad` over
-  a closed-over weight, or concrete arrays) are found by tracing `fn` once at
-  the batch shape; each later call retraces it at the shape at hand (a tile
-  of rows) and substitutes the operands it is given for them, by identity.
-  Inside a `custom_vjp` and a kernel nothing may be captured from outside;
-  this is how the map's closed-over arrays get their gradients.
-  """
-
-  def __init__(self, fn: Callable[..., Any], params: Any, z: Any, x: Any):
-    self.fn = fn
-    self.consts = tuple(jax.make_jaxpr(fn)(*_avals((params, z, x))).consts)
-
-  def __call__(self, consts: Any, params: Any, z: Any, x: Any) -> Any:
-    closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*_avals((params, z, x)))
-    by_id = {id(c): i for i, c in enumerate(self.consts)}
-    values = []
-    for c in closed.consts:
-      if id(c) in by_id:
-        values.append(consts[by_id[id(c)]])
-      elif isinstance(c, jax.core.Tracer):
-        raise ValueError("f closes over a traced array that it did not capture when traced at "
-                         "the batch shape; pass such arrays through `params`.")
-      else:
-        values.append(c)
-    out = jax.core.eval_jaxpr(closed.jaxpr, values, *tree_util.tree_leaves((params, z, x)))
-    return tree_util.tree_unflatten(tree_util.tree_structure(out_shape), out)
-
-
-def _avals(tree: Any) -> Any:
-  return tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tree)
 
 
 def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0: jax.Array,
@@ -539,13 +505,15 @@ def fixed_point(
     out = f(p, flat.unravel(z), xx, key=keys) if keyed else f(p, flat.unravel(z), xx)
     return flat.ravel(out)
 
-  # Arrays f closes over become explicit (differentiated) operands.
-  hoisted = _Hoisted(map_rows, params, z0, per_row)
-  consts = hoisted.consts
+  # Arrays f closes over become explicit (differentiated) operands: found at
+  # the batch's shape, substituted at each tile's (a custom_vjp or a kernel
+  # may capture nothing from outside).
+  map_fn = step_fn_lib.StepFn.closing_over(map_rows, params, z0, per_row, name="f")
+  consts = map_fn.outer_consts
 
   def fmap(shared, z, xx):
     p, c = shared
-    return hoisted(c, p, z, xx)
+    return map_fn(p, c, z, xx)
 
   threshold = jnp.broadcast_to(jnp.asarray(tol, jnp.float32), (batch,))
   shared = (params, tuple(consts))

@@ -111,6 +111,15 @@ class GradMode(abc.ABC):
     computes this mode's gradient, or None when it has no counterpart there."""
     return None
 
+  def traces_backward_early(self, ctx: Context) -> bool:
+    """Whether `iterate` traces this mode's backward in the forward too: when
+    the backward calls the step at a shape the forward does not, retracing
+    it there would touch the arrays the step closes over after their trace
+    ended (an `UnexpectedTracerError` under `jax.grad` w.r.t. such an array);
+    traced early, the step's jaxpr at that shape is kept (`StepFn.traced`)."""
+    del ctx
+    return False
+
 
 @dataclasses.dataclass(frozen=True)
 class Full(GradMode):
@@ -276,6 +285,11 @@ class Implicit(GradMode):
     (g_params, g_consts), (g_x, _, _), _ = implicit_adjoint.vjp(
         fmap, (ops.params, ops.consts), h_star, (ops.x, t_last, rows), g_floats, solve, settle)
     return g_params, g_consts, _zero_rows(steps == 0, g), g_x
+
+  def traces_backward_early(self, ctx: Context) -> bool:
+    # A step that takes its index runs one row at a time in the adjoint
+    # (`StepFn.new_state_per_row`): a shape of one row the forward never uses.
+    return ctx.fn.indexed
 
 
 def _no_gradients(ops: LoopOperands, g: Any) -> Gradients:

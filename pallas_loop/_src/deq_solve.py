@@ -242,7 +242,8 @@ class ImplicitAdjoint(_Adjoint):
 
   def _solve(self, forward: _Solve, shared: Any, z0: jax.Array, per_row: Any,
              threshold: jax.Array, probe: SolveInfo | None) -> tuple[jax.Array, SolveInfo]:
-    probe = probe if probe is not None else _unread_probe(z0.shape[0])
+    # The custom_vjp takes a probe either way; one nobody reads when not asked.
+    probe = probe if probe is not None else adjoint_probe(z0.shape[0])
     return _implicit(forward, self)(shared, z0, per_row, threshold, probe)
 
 
@@ -577,12 +578,6 @@ def fixed_point(
     z = _nan_rows(info.converged, z)
   h = flat.unravel(z)
   return (h, info) if return_info else h
-
-
-def _unread_probe(batch: int) -> SolveInfo:
-  """A probe nobody reads (the custom_vjp takes one either way; `fixed_point`'s
-  keyword of the same name hides the module's `adjoint_probe` there)."""
-  return adjoint_probe(batch)
 
 
 def _implicit(forward: _Solve, adjoint: ImplicitAdjoint):

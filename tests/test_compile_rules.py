@@ -530,3 +530,21 @@ def test_mosaic_declines_a_16_bit_scalar_computed_in_the_kernel():
   loss = lambda p, h: cases.tree_sum(pallas_loop.iterate(step32, p, h, h0, max_iters=3))
   text = lowering.export_text(jax.value_and_grad(loss), params, h0, platform="tpu")
   assert text.count(lowering.kernel_marker("tpu")) == 2
+
+
+def test_bool_reshapes_and_broadcasts_go_through_int32():
+  # ACT's per-token flags expanded onto the state: libtpu 0.0.42.1 casts no
+  # bool vector [R, 8] to [R, 8, 1]; the rule moves words instead of flags.
+  def f(flags, state):
+    return jnp.where(flags[..., None], state, -state), jnp.broadcast_to(flags[:, :1], (5, 8))
+
+  flags = jnp.arange(40).reshape(5, 8) % 3 == 0
+  state = jnp.arange(5 * 8 * 4, dtype=jnp.float32).reshape(5, 8, 4)
+  closed = jax.make_jaxpr(f)(flags, state)
+  rules = jaxpr_eval.Rules(int32_bool_shapes=True)
+  assert backend_mosaic_tpu.EVAL_RULES.int32_bool_shapes
+  got = jaxpr_eval.eval_jaxpr(closed.jaxpr, closed.consts, [flags, state], rules=rules)
+  want = f(flags, state)
+  for g, w in zip(got, want):
+    assert g.dtype == w.dtype
+    np.testing.assert_array_equal(g, w)

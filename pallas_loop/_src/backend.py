@@ -5,11 +5,11 @@ kernels launch (rows gathered into tiles, or read by index; persistent
 programs), its block and configuration rules, its evaluation rules
 (`jaxpr_eval.Rules`), its tile heights (the default and what tuning tries),
 its interpret mode, and optionally a forward kernel of its own. The shared
-kernels (`kernel_forward.py`, `kernel_backward.py`), `dispatch.py` and
-`tuning.py` read these fields and never name a backend. The compiled
-backends are listed in `backends.py` (one line each); interpret mode is
-`INTERPRET` here, made into one backend per compiled target by
-`backend_interpret.py`.
+kernels (`kernel_forward.py`, `kernel_backward.py`, and the `kernel_toolkit.py`
+they launch through), `dispatch.py` and `tuning.py` read these fields and
+never name a backend. The compiled backends are listed in `backends.py`
+(one line each); interpret mode is `INTERPRET` here, made into one backend
+per compiled target by `backend_interpret.py`.
 """
 
 from __future__ import annotations

@@ -30,9 +30,11 @@ from pallas_loop._src import jaxpr_eval
 
 # How the Mosaic kernels evaluate the step (`jaxpr_eval.Rules`): dots
 # rewritten into the forms Mosaic compiles, narrow dots accumulated in
-# float32 as XLA does on a TPU, the logistic through tanh.
+# float32 as XLA does on a TPU, bool reshapes and broadcasts done on int32, the
+# logistic through tanh.
 EVAL_RULES = jaxpr_eval.Rules(merge_leading_contractions=True, canonical_dots=True,
-                              wide_accumulators=True, logistic_via_tanh=True)
+                              wide_accumulators=True, int32_bool_shapes=True,
+                              logistic_via_tanh=True)
 
 
 def _block_problems(blocks: Sequence[backend_lib.Block]) -> list[str]:
@@ -150,7 +152,7 @@ def configure(fp: footprint_lib.Footprint, block_rows_given: bool
 
   The rule: a default-height tile taller than `SMALLEST_TILE` must need at
   most twice the default scoped limit (else no configuration, and
-  `kernel_forward.configured` halves it); a program whose VMEM estimate (`vmem_estimate`),
+  `kernel_toolkit.configured` halves it); a program whose VMEM estimate (`vmem_estimate`),
   doubled, is within the TPU's default scoped limit runs as is; else the kernel asks for
   twice its estimate as its `vmem_limit_bytes`, at most 7/8 of the physical
   VMEM (the rest stays XLA's); an estimate whose `MARGIN` times is beyond

@@ -23,6 +23,7 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+from jax import lax
 from jax import tree_util
 from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
@@ -68,13 +69,20 @@ class Rules:
       per call by `for_state` (from the state's dtypes, or from
       `Options.approx_tanh`), never by a backend.
     emulate_fast_math: `fast_math` in jnp, for interpret mode (no PTX).
+    int32_bool_shapes: a reshape or broadcast of a bool array done on int32
+      and compared back (`_bool_via_int32`; Mosaic: libtpu 0.0.42.1, the TPU
+      machine's, fails "unsupported shape cast" on `vector<256x8xi1> ->
+      vector<256x8x1xi1>`, ACT's per-token mask expanded onto the state).
     logistic_via_tanh: `logistic(x)` (`jax.nn.sigmoid`) as `0.5 * tanh(0.5
       x) + 0.5`, in float32 (Mosaic): one transcendental instead of an exp
-      and a reciprocal with its refinement and special cases. The same
-      function to a few float32 ulps of 0.5 (an absolute error, not a
-      relative one where the logistic is tiny); the GRU's loop on a v5e
-      fell from 3402 to 1749 bundles a 2048-row chunk
-      (`benchmarks/tpu_bundles.py`; RESULTS.md, "TPU v5e").
+      and a reciprocal with its refinement and special cases; the GRU's
+      loop on a v5e fell from 3402 to 1749 bundles a 2048-row chunk
+      (`benchmarks/tpu_bundles.py`; RESULTS.md, "TPU v5e"). An
+      approximation: the v5e's float32 tanh is off by up to 4.4e-5 (XLA's
+      and Mosaic's alike), this logistic by 2.2e-5 where `lax.logistic`
+      is off by 1.0e-6 (measured on the chip, RESULTS.md), so a backend
+      offers it and `for_state` keeps it for a call whose state is 16-bit
+      (or `Options.approx_tanh=True`).
   """
 
   swap_transposed_dots: bool = False
@@ -87,6 +95,7 @@ class Rules:
   fast_math: bool = False
   approx_tanh: bool = False
   emulate_fast_math: bool = False
+  int32_bool_shapes: bool = False
   logistic_via_tanh: bool = False
 
 
@@ -100,10 +109,12 @@ def for_state(rules: Rules, h: Any, approx_tanh: bool | None = None) -> Rules:
   Args:
     rules: the backend's rules.
     h: the state.
-    approx_tanh: `iterate`'s: None: the approximate tanh where every
-      floating leaf of the state is 16-bit (`fast_math.py` says why its
-      error bound then holds); True/False: always/never. Only where the
-      backend computes fast math (`Rules.fast_math`).
+    approx_tanh: `iterate`'s: None: the approximations where every
+      floating leaf of the state is 16-bit (`fast_math.py` says why the GPU
+      tanh's error bound then holds; the TPU's logistic through tanh is off
+      by up to 2.2e-5, below a 16-bit float's rounding but 20x the float32
+      logistic's 1.0e-6); True/False: always/never. Only where the backend
+      offers one (`Rules.fast_math`, `Rules.logistic_via_tanh`).
 
   Example:
     >>> fast = Rules(fast_math=True)
@@ -113,7 +124,8 @@ def for_state(rules: Rules, h: Any, approx_tanh: bool | None = None) -> Rules:
     False
   """
   wanted = fast_math.sixteen_bit(h) if approx_tanh is None else approx_tanh
-  return dataclasses.replace(rules, approx_tanh=rules.fast_math and wanted)
+  return dataclasses.replace(rules, approx_tanh=rules.fast_math and wanted,
+                             logistic_via_tanh=rules.logistic_via_tanh and wanted)
 
 
 class LoadOnUse:
@@ -129,7 +141,7 @@ class LoadOnUse:
     """`lax.dynamic_slice` of the leading axis (the others whole), read from
     the ref alone: `params[index]` of stacked per-step weights [T, ...]
     loads one step's weights, not all T. The ref holds the operand with its
-    leading axis first (a 2-D one as [T, 1, N]: `kernel_forward.
+    leading axis first (a 2-D one as [T, 1, N]: `kernel_toolkit.
     shared_operands`); None when it does not (1-D and 0-d operands)."""
     ref_shape = tuple(self.ref.shape)
     if len(self.shape) < 2 or ref_shape[0] != self.shape[0]:
@@ -213,6 +225,8 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
                               emulate=rules.emulate_fast_math)]
     elif rules.logistic_via_tanh and eqn.primitive.name == "logistic":
       outs = [logistic_via_tanh(invals[0])]
+    elif rules.int32_bool_shapes and _is_bool_shape_op(eqn):
+      outs = [_bool_via_int32(eqn, invals[0])]
     elif rules.integer_mask_selects and _is_masked_select(eqn):
       outs = [_bitwise_select(*invals)]
     elif rules.merge_leading_contractions and merges_leading_contractions(eqn):
@@ -292,6 +306,26 @@ def _computed_apart(fn: Callable[[], Any]) -> Any:
   """
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
     return pool.submit(fn).result()
+
+
+# Shape operations whose bool operand Mosaic may not lay out (`_bool_via_int32`).
+_SHAPE_PRIMITIVES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims"})
+
+
+def _is_bool_shape_op(eqn) -> bool:
+  return (eqn.primitive.name in _SHAPE_PRIMITIVES and len(eqn.invars) == 1
+          and eqn.invars[0].aval.dtype == np.bool_)
+
+
+def _bool_via_int32(eqn, operand: jax.Array) -> jax.Array:
+  """The shape operation `eqn` on a bool array, done on int32 (one 32-bit
+  word a flag: a shape every Mosaic version casts) and compared back."""
+  bind = eqn.primitive.get_bind_params(eqn.params)
+  subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
+  words = lax.select(operand, lax.full(operand.shape, 1, np.int32),
+                     lax.full(operand.shape, 0, np.int32))
+  with eqn.ctx.manager:
+    return eqn.primitive.bind(*subfuns, words, **params) != 0
 
 
 def logistic_via_tanh(x: jax.Array) -> jax.Array:

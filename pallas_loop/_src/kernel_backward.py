@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax import tree_util
-from jax.experimental import pallas as pl
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,6 +33,7 @@ from pallas_loop._src import backend as backend_lib
 from pallas_loop._src import footprint as footprint_lib
 from pallas_loop._src import jaxpr_eval
 from pallas_loop._src import kernel_forward as kernel
+from pallas_loop._src import kernel_toolkit as toolkit
 from pallas_loop._src import loop_reverse
 from pallas_loop._src import schedule as schedule_lib
 from pallas_loop._src import step_fn as step_fn_lib
@@ -129,66 +129,70 @@ def _float_vjp(step, shared, h, x, t, rows, index, ct, ct_y, acc_shared: RefSum,
   return loop_reverse.with_integer_zeros(d_h, h), acc_shared, acc_x
 
 
-def _window_kernel(n_ref, t0_ref, rows_ref, *refs, wp, trees, every):
-  """The kernel body. Refs, in order:
+class _Ins(NamedTuple):
+  """The kernel's input groups (refs in the body; `kernel_toolkit.launch`)."""
 
-  n_ref, t0_ref: int32 [TB, 1]    window length and first step index per row
-  rows_ref: int32 [TB, 1]         each row's index in the caller's batch
-  shared refs: full blocks        params leaves, then the step's constants
-  h refs: [TB, ...]               the state at the window's start
-  x refs: [TB, ...]               inputs
-  g refs: [TB, ...]               cotangent of the state after the window
-  g_ys refs: [S, TB, ...]         cotangents of the per-step outputs (float
-                                  leaves only; `kernel.output_layout`), read
-                                  at the window step's slot
-  out g_h refs: [TB, ...]         cotangent of the state at the window's start
-  out g_x refs: f32 [TB, ...]     input gradients (float leaves of x only)
-  out g_shared refs: f32 [1, ...] this tile's shared-operand gradients (float
-                                  leaves only)
-  out ckpt refs: [S, TB, ...]     checkpoints (scratch)
-  out seg refs: [C, TB, ...]      a segment's states (scratch)
-  """
-  params_tree, h_tree, x_tree = trees
-  n_h, n_x = h_tree.num_leaves, x_tree.num_leaves
-  n_shared = len(wp.shared_float)
-  it = iter(refs)
-  shared_refs = [next(it) for _ in range(n_shared)]
-  h_refs = [next(it) for _ in range(n_h)]
-  x_refs = [next(it) for _ in range(n_x)]
-  g_refs = [next(it) for _ in range(n_h)]
-  g_ys_refs = [next(it) for f in wp.y_float if f]
-  g_h_refs = [next(it) for _ in range(n_h)]
-  g_x_refs = [next(it) if f else None for f in wp.x_float]
-  g_shared_refs = [next(it) if f else None for f in wp.shared_float]
-  ckpt_refs = [next(it) for _ in range(n_h)]
-  seg_refs = [next(it) for _ in range(n_h)]
+  n: Any        # int32 [TB, 1]: window length per row
+  t0: Any       # int32 [TB, 1]: first step index per row
+  rows: Any     # int32 [TB, 1]: each row's index in the caller's batch
+  params: Any   # full blocks, in params' structure
+  consts: Any   # list of full blocks: the step's constants
+  h: Any        # [TB, ...], in h's structure: the state at the window's start
+  x: Any        # [TB, ...], in x's structure: inputs
+  g: Any        # [TB, ...], in h's structure: cotangent of the state after the window
+  g_ys: Any     # list of [S, TB, ...]: cotangents of the per-step outputs (float
+                # leaves only; `kernel_toolkit.output_layout`), read at the
+                # window step's slot
 
-  for r in g_x_refs + g_shared_refs:
+
+class _Outs(NamedTuple):
+  """The kernel's output groups."""
+
+  g_h: Any       # [TB, ...], in h's structure: cotangent of the state at the window's start
+  g_x: Any       # list per x leaf: f32 [TB, ...] input gradient (None: not a float leaf)
+  g_shared: Any  # list per shared operand (params leaves, then constants): f32 [1, ...],
+                 # this tile's gradient (None: not a float leaf)
+  ckpt: Any      # list per h leaf: [S, TB, ...] checkpoints (scratch)
+  seg: Any       # list per h leaf: [C, TB, ...] a segment's states (scratch)
+
+
+# How each group is launched (`kernel_toolkit.launch`, `schedule.over_tiles`):
+# the padding positions read a window length of 0 (no step: no gradient).
+_KINDS = (_Ins(n=schedule_lib.ROWS_PADDED_IN, t0=schedule_lib.ROWS_IN, rows=schedule_lib.ROWS_IN,
+               params=schedule_lib.SHARED, consts=schedule_lib.SHARED,
+               h=schedule_lib.ROWS_IN, x=schedule_lib.ROWS_IN, g=schedule_lib.ROWS_IN,
+               g_ys=schedule_lib.ROWS_IN_SLOTS),
+          _Outs(g_h=schedule_lib.ROWS_OUT, g_x=schedule_lib.ROWS_OUT,
+                g_shared=schedule_lib.TILE, ckpt=schedule_lib.SLOTS, seg=schedule_lib.SLOTS))
+
+
+def _window_kernel(ins: _Ins, outs: _Outs, *, wp, every):
+  """The kernel body: the tile's window VJP from `ins` ([TB, ...] blocks
+  and shared full blocks, `_Ins`) to `outs` (`_Outs`)."""
+  h_tree = tree_util.tree_structure(ins.h)
+  for r in outs.g_x + outs.g_shared:
     if r is not None:
       r[...] = jnp.zeros(r.shape, r.dtype)
-  shared_values = kernel.shared_loader(shared_refs, wp.shared_shapes,
-                                       wp.config.shared_on_chip)
-  n_params = params_tree.num_leaves
-  shared = (tree_util.tree_unflatten(params_tree, shared_values[:n_params]),
-            shared_values[n_params:])
-  x = tree_util.tree_unflatten(x_tree, [r[...] for r in x_refs])
-  h = tree_util.tree_unflatten(h_tree, [r[...] for r in h_refs])
-  g = tree_util.tree_unflatten(h_tree, [r[...] for r in g_refs])
+  shared = toolkit.shared_loader(ins.params, ins.consts, wp.shared_shapes,
+                                 wp.config.shared_on_chip)
+  x = tree_util.tree_map(lambda r: r[...], ins.x)
+  h = tree_util.tree_map(lambda r: r[...], ins.h)
+  g = tree_util.tree_map(lambda r: r[...], ins.g)
 
   def step(shared, h, x, t, rows, index, rules=wp.config.eval_rules):
     params, consts = shared
     return wp.tile.traced.apply(consts, params, h, x, t, rows, index, rules=rules)[:2]
 
   g_h, _, _ = loop_reverse.reverse_window(
-      step, shared, h, x, t0_ref[...], n_ref[...], rows_ref[...], g, every=every,
-      ckpt=RefBuffer(ckpt_refs, h_tree), seg=RefBuffer(seg_refs, h_tree),
-      acc_shared=RefSum(g_shared_refs), acc_x=RefSum(g_x_refs),
+      step, shared, h, x, ins.t0[...], ins.n[...], ins.rows[...], g, every=every,
+      ckpt=RefBuffer(outs.ckpt, h_tree), seg=RefBuffer(outs.seg, h_tree),
+      acc_shared=RefSum(outs.g_shared), acc_x=RefSum(outs.g_x),
       vjp=functools.partial(_float_vjp, rules=wp.config.eval_rules,
                             plain_step=functools.partial(step, rules=None),
                             shared_float=wp.shared_float),
       aligned=wp.aligned,
-      g_ys_at=None if wp.outputs is None else functools.partial(_output_cotangents, g_ys_refs, wp))
-  for r, leaf in zip(g_h_refs, tree_util.tree_leaves(g_h)):
+      g_ys_at=None if wp.outputs is None else functools.partial(_output_cotangents, ins.g_ys, wp))
+  for r, leaf in zip(tree_util.tree_leaves(outs.g_h), tree_util.tree_leaves(g_h)):
     r[...] = leaf.astype(r.dtype)
 
 
@@ -252,7 +256,7 @@ def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
   """
   every = every or loop_reverse.default_every(bound)
   batch = tree_util.tree_leaves(h)[0].shape[0]
-  return kernel.configured(backend, batch, block_rows, lambda tb: _plan_at(
+  return toolkit.configured(backend, batch, block_rows, lambda tb: _plan_at(
       backend, step_fn, params, consts, h, x, tb, given=block_rows is not None,
       bound=bound, every=every, outputs=outputs, approx_tanh=approx_tanh))
 
@@ -274,16 +278,16 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every,
           f"{name} of h{tree_util.keystr(path)}", (size, tb) + a.shape[1:],
           (size, padded) + a.shape[1:], row_axis=1))
   for i, a in enumerate(shared):
-    blocks.append(backend_lib.Block(f"per-tile gradient #{i}", (1,) + kernel.shared_2d(a),
-                                    (padded // tb,) + kernel.shared_2d(a), row_axis=None))
+    blocks.append(backend_lib.Block(f"per-tile gradient #{i}", (1,) + toolkit.shared_2d(a),
+                                    (padded // tb,) + toolkit.shared_2d(a), row_axis=None))
   y_float = tuple(loop_reverse.is_float(a) for a in tree_util.tree_leaves(outputs))
   g_ys_blocks = []
   for (path, a), f in zip(tree_util.tree_flatten_with_path(outputs)[0], y_float):
     if f:
-      g_ys_blocks.append(kernel.output_layout(a, tb))
+      g_ys_blocks.append(toolkit.output_layout(a, tb))
       blocks.append(backend_lib.Block(
           f"cotangent of the per-step output y{tree_util.keystr(path)}",
-          g_ys_blocks[-1].shape, kernel.output_layout(a, padded).shape, row_axis=1))
+          g_ys_blocks[-1].shape, toolkit.output_layout(a, padded).shape, row_axis=1))
   # The outputs' cotangents at one step, [TB, ...] (None: no outputs).
   g_y = tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((tb,) + a.shape[2:], a.dtype),
                            outputs)
@@ -310,7 +314,7 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every,
       *step_fn_lib.row_index_avals(avals(h)), avals(h), g_y).jaxpr
   problems = (list(tile.problems) + backend.block_problems(blocks)
               + backend_lib.step_problems(backend, jaxpr))
-  shared_avals = [jax.ShapeDtypeStruct(kernel.shared_2d(a), jnp.result_type(a)) for a in shared]
+  shared_avals = [jax.ShapeDtypeStruct(toolkit.shared_2d(a), jnp.result_type(a)) for a in shared]
   h_tiles, x_tiles = tree_util.tree_leaves(avals(h)), tree_util.tree_leaves(avals(x))
   h_tiles_batch = tree_util.tree_leaves(h)[0].shape[0]
   # Row blocks: h, x, g in; g_h, g_x out; 3 int columns; the checkpoint and
@@ -340,7 +344,7 @@ def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool, schedule: str |
   """Runs the backward kernel on the rows in tiles: read and written by index
   on a backend with `indexed_rows` (`schedule.over_tiles`), else gathered
   into tiles before and put back after (`tiling.in_tiles`), as the forward
-  (`kernel.run`).
+  (`kernel.run`); both launch through `kernel_toolkit.launch`.
 
   Args:
     wp: from `plan`, with no problems.
@@ -361,47 +365,34 @@ def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool, schedule: str |
   params_leaves, params_tree = tree_util.tree_flatten(ops.params)
   h_tree = tree_util.tree_structure(ops.h_start)
   x_leaves, x_tree = tree_util.tree_flatten(ops.x)
-  shared = kernel.shared_operands(params_leaves, tile.traced.const_values)
-  rows_of = functools.partial(kernel.row_spec, block_rows=tb)
-  tile_spec = functools.partial(kernel.row_spec, block_rows=1)  # [NT, ...]: one per program
-
-  def slot_spec(a):
-    return pl.BlockSpec((a.shape[0], tb) + a.shape[2:],
-                        lambda i: (0, i) + (0,) * (len(a.shape) - 2))
-
+  params, consts = toolkit.shared_operands(ops.params, tile.traced.const_values)
+  shared = tree_util.tree_leaves(params) + consts
   struct = jax.ShapeDtypeStruct
-  body = functools.partial(_window_kernel, wp=wp, trees=(params_tree, h_tree, x_tree),
-                           every=wp.every)
+  rows_like = lambda a, dtype=None: struct((padded,) + a.shape[1:], dtype or a.dtype)
+  h_leaves = tree_util.tree_leaves(ops.h_start)
+  outs = _Outs(  # rows padded to whole tiles on both launches
+      g_h=tree_util.tree_map(rows_like, ops.h_start),
+      g_x=[rows_like(a, jnp.float32) if f else None for a, f in zip(x_leaves, wp.x_float)],
+      g_shared=[struct((n_tiles,) + a.shape, jnp.float32) if f else None
+                for a, f in zip(shared, wp.shared_float)],
+      ckpt=[struct((wp.slots[0], padded) + a.shape[1:], a.dtype) for a in h_leaves],
+      seg=[struct((wp.slots[1], padded) + a.shape[1:], a.dtype) for a in h_leaves])
+
+  def ins(n, t0, rows, h, x, g, g_ys):  # g_ys: in the kernels' layout
+    return _Ins(n=n.reshape(-1, 1), t0=t0.reshape(-1, 1), rows=rows.reshape(-1, 1),
+                params=params, consts=consts, h=h, x=x, g=g, g_ys=g_ys)
+
+  launch = functools.partial(
+      toolkit.launch,
+      functools.partial(_window_kernel, wp=wp, every=wp.every), outs=outs, kinds=_KINDS,
+      block_rows=tb, tiles=n_tiles, config=config, interpret=tile.backend.interpret,
+      name=KERNEL_NAME)
 
   def on_tiles(per_row, n):
     h_in, x_in, g_in, t0, index, g_ys_in = per_row
-    h_leaves, x_in_leaves, g_leaves = (tree_util.tree_leaves(a) for a in (h_in, x_in, g_in))
-    g_ys_leaves = [kernel.to_output_layout(a) for a in g_ys_in]
-    columns = [a.reshape(padded, 1) for a in (n, t0, index)]
-    g_h_out = [struct(a.shape, a.dtype) for a in h_leaves]
-    g_x_out = [struct(a.shape, jnp.float32) for a, f in zip(x_in_leaves, wp.x_float) if f]
-    g_shared_out = [struct((n_tiles,) + a.shape, jnp.float32)
-                    for a, f in zip(shared, wp.shared_float) if f]
-    scratch = [struct((size, padded) + a.shape[1:], a.dtype)
-               for size in wp.slots for a in h_leaves]
-    outs = pl.pallas_call(
-        body,
-        grid=(n_tiles,),
-        in_specs=[*map(rows_of, columns), *map(kernel.full_spec, shared),
-                  *map(rows_of, h_leaves + x_in_leaves + g_leaves),
-                  *(kernel.output_spec(a, tb) for a in g_ys_leaves)],
-        out_specs=[*map(rows_of, g_h_out + g_x_out), *map(tile_spec, g_shared_out),
-                   *map(slot_spec, scratch)],
-        out_shape=[*g_h_out, *g_x_out, *g_shared_out, *scratch],
-        compiler_params=config.compiler_params,
-        interpret=tile.backend.interpret,
-        name=KERNEL_NAME,
-    )(*columns, *shared, *h_leaves, *x_in_leaves, *g_leaves, *g_ys_leaves)
-    it = iter(outs)
-    g_h = [next(it) for _ in h_leaves]
-    g_x = [next(it) if f else None for f in wp.x_float]
-    tile_sums = [next(it) if f else None for f in wp.shared_float]
-    return (g_h, g_x), tile_sums
+    got = launch(ins(n, t0, index, h_in, x_in, g_in,
+                     [toolkit.to_output_layout(a) for a in g_ys_in]))
+    return (tree_util.tree_leaves(got.g_h), got.g_x), got.g_shared
 
   g_ys_in = [a for a, f in zip(tree_util.tree_leaves(ops.g_ys), wp.y_float) if f]
   batch = ops.n.shape[0]
@@ -411,41 +402,17 @@ def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool, schedule: str |
         ops.n, rows=padded,
         sort=sort_rows, must_be_finite=True)
   else:  # rows read and written by index, in the caller's order
-    k = schedule_lib
-    h_leaves, x_in_leaves, g_leaves = (tree_util.tree_leaves(a)
-                                       for a in (ops.h_start, ops.x, ops.g))
-    g_ys_leaves = [kernel.to_output_layout(a) for a in g_ys_in]
+    g_ys = [toolkit.to_output_layout(a) for a in g_ys_in]
     # The padding positions read a window length of 0 (no step: no gradient).
     n_col = jnp.pad(ops.n, (0, padded - batch)).reshape(padded, 1)
-    columns = [ops.t0.reshape(batch, 1), ops.row_ids.reshape(batch, 1)]
-    g_h_out = [struct((padded,) + a.shape[1:], a.dtype) for a in h_leaves]
-    g_x_out = [struct((padded,) + a.shape[1:], jnp.float32)
-               for a, f in zip(x_in_leaves, wp.x_float) if f]
-    g_shared_out = [struct((n_tiles,) + a.shape, jnp.float32)
-                    for a, f in zip(shared, wp.shared_float) if f]
-    scratch = [struct((size, padded) + a.shape[1:], a.dtype)
-               for size in wp.slots for a in h_leaves]
-    kinds = ([k.ROWS_PADDED_IN] + [k.ROWS_IN] * 2 + [k.SHARED] * len(shared)
-             + [k.ROWS_IN] * (len(h_leaves) + len(x_in_leaves) + len(g_leaves))
-             + [k.ROWS_IN_SLOTS] * len(g_ys_leaves)
-             + [k.ROWS_OUT] * (len(g_h_out) + len(g_x_out)) + [k.TILE] * len(g_shared_out)
-             + [k.SLOTS] * len(scratch))
-    n_programs = kernel.tile_count_programs(tile, n_tiles, schedule, programs)
+    operands = ins(n_col, ops.t0, ops.row_ids, ops.h_start, ops.x, ops.g, g_ys)
+    n_programs = toolkit.tile_count_programs(tile.backend, config, n_tiles, schedule, programs)
     load, store = tiling.slot_rows(ops.n, padded, sort=sort_rows)
-    outs = pl.pallas_call(
-        k.over_tiles(body, kinds, block_rows=tb, tiles=n_tiles, n_programs=n_programs),
-        grid=(n_programs,),
-        out_shape=[*g_h_out, *g_x_out, *g_shared_out, *scratch],
-        compiler_params=config.compiler_params,
-        interpret=tile.backend.interpret,
-        name=KERNEL_NAME,
-    )(load, store, n_col, *columns, *shared, *h_leaves, *x_in_leaves, *g_leaves,
-      *g_ys_leaves)
+    got = launch(operands, by_index=toolkit.ByIndex(load, store, n_programs))
     cut = lambda a: a if padded == batch else a[:batch]
-    it = iter(outs)
-    g_h = [cut(next(it)) for _ in h_leaves]
-    g_x = [cut(next(it)) if f else None for f in wp.x_float]
-    tile_sums = [next(it) if f else None for f in wp.shared_float]
+    g_h = [cut(a) for a in tree_util.tree_leaves(got.g_h)]
+    g_x = [None if a is None else cut(a) for a in got.g_x]
+    tile_sums = got.g_shared
   g_x = loop_reverse.cast_like(g_x, x_leaves)
 
   # Per-tile sums -> gradients of params, and of the caller's consts (a

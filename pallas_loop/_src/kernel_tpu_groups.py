@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -54,7 +54,9 @@ from pallas_loop._src import backend as backend_lib
 from pallas_loop._src import backend_mosaic_tpu
 from pallas_loop._src import footprint as footprint_lib
 from pallas_loop._src import kernel_forward
+from pallas_loop._src import kernel_toolkit as toolkit
 from pallas_loop._src import loop as loop_lib
+from pallas_loop._src import schedule as schedule_lib
 from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src import tiling
 from pallas_loop._src.operands import LoopOperands, LoopOutputs
@@ -167,8 +169,7 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
                               step_fn_lib.avals(x, chunk))
   n_params = len(tree_util.tree_leaves(params))
   problems = []
-  typed = backend_lib.extended_dtype_problems(kernel_forward._named_operands(  # pylint: disable=protected-access
-      params, traced, h0, x))
+  typed = backend_lib.extended_dtype_problems(toolkit.named_operands(params, traced, h0, x))
   if typed:
     return GroupPlan(backend=backend, chunk_rows=chunk, group_rows=chunk, rows=chunk,
                      traced=traced, param_shapes=(), const_shapes=(), config=None,
@@ -189,17 +190,17 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
                         f"choose block_rows a multiple of 16, not {chunk}")
   sliced, slice_eqns = backend_lib.leading_slices(
       traced.jaxpr, traced.jaxpr.invars[:n_params] + traced.jaxpr.constvars)
-  blocks += [backend_lib.Block(f"params{tree_util.keystr(path)}", kernel_forward.shared_2d(a),
-                               kernel_forward.shared_2d(a), row_axis=None)
+  blocks += [backend_lib.Block(f"params{tree_util.keystr(path)}", toolkit.shared_2d(a),
+                               toolkit.shared_2d(a), row_axis=None)
              for path, a in tree_util.tree_flatten_with_path(params)[0]]
-  blocks += [backend_lib.Block(f"an array step closes over (#{i})", kernel_forward.shared_2d(c),
-                               kernel_forward.shared_2d(c), row_axis=None)
+  blocks += [backend_lib.Block(f"an array step closes over (#{i})", toolkit.shared_2d(c),
+                               toolkit.shared_2d(c), row_axis=None)
              for i, c in enumerate(traced.const_values)]
   problems += (backend.block_problems(blocks)
                + backend_lib.step_problems(backend, traced.jaxpr, slice_eqns))
   uses_rows = _reads(traced.jaxpr, len(tree_util.tree_leaves((params, h0, x))) + 1)
   shared = list(tree_util.tree_leaves(params)) + list(traced.const_values)
-  shared_avals = [jax.ShapeDtypeStruct(kernel_forward.shared_2d(a), jnp.result_type(a))
+  shared_avals = [jax.ShapeDtypeStruct(toolkit.shared_2d(a), jnp.result_type(a))
                   for a in shared]
   fp = footprint_lib.measure(
       [(traced.jaxpr, n_params)], batch=batch, block_rows=chunk, shared_avals=shared_avals,
@@ -210,7 +211,7 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
       and chunk // 2 >= backend_mosaic_tpu.SMALLEST_TILE):
     # The default chunk's values do not fit (multi-head attention keeps
     # [C, H, L, L] probabilities and [C, L, H, K] heads alive, padded to
-    # VMEM's tiles): halve it, as `kernel_forward.configured` halves a tile.
+    # VMEM's tiles): halve it, as `kernel_toolkit.configured` halves a tile.
     return plan(backend, step_fn, params, consts, h0, x, chunk // 2, outputs,
                 sort_rows=sort_rows, max_iters=max_iters, halving=True,
                 approx_tanh=approx_tanh)
@@ -303,44 +304,59 @@ def active_rows(counts: jax.Array, groups: int, max_iters: int) -> jax.Array:
       jnp.int32)
 
 
-def _kernel(active_ref, trips_ref, *refs, plan: GroupPlan, trees, n_ops, elems_per_row,
-            track: bool, residual: bool):
-  """The kernel body of group g. Refs, in order:
+class _Ins(NamedTuple):
+  """The kernel's input groups (refs in the body; after the two tables)."""
+
+  params: Any   # full blocks, in params' structure (0-d leaves travel as [1, 1])
+  consts: Any   # list of full blocks: the step's constants
+  halting: Any  # Halting of [1, 1]: tol (float32, if given), min_iters (int32); or None
+  h: Any        # [G, ...], in h0's structure: initial state
+  x: Any        # [G, ...], in x's structure: inputs
+  rows: Any     # int32 [G, 1]: rows' indices in the caller's batch (`uses_rows`), or None
+
+
+class _Outs(NamedTuple):
+  """The kernel's output groups (residual, steps, halted: None unless `track`)."""
+
+  h: Any         # [G, ...], in h0's structure: the state, updated in place, then final
+  residual: Any  # f32 [G, 1]
+  steps: Any     # i32 [G, 1]
+  halted: Any    # i32 [G, 1]
+
+
+class _Scratch(NamedTuple):
+  """The kernel's scratch (None unless `track`)."""
+
+  alive: Any     # SMEM int32 [G / C]: 1 while a chunk has a running row
+
+
+# How each input group is blocked (the outputs are all row blocks).
+_IN_KINDS = _Ins(params=schedule_lib.SHARED, consts=schedule_lib.SHARED,
+                 halting=schedule_lib.SHARED, h=schedule_lib.ROWS_IN, x=schedule_lib.ROWS_IN,
+                 rows=schedule_lib.ROWS_IN)
+
+
+def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
+            plan: GroupPlan, elems_per_row, track: bool, residual: bool):
+  """The kernel body of group g:
 
   active_ref: SMEM int32 [groups, T]   rows of each group running by count at step t
   trips_ref: SMEM int32 [groups]       each group's largest count
-  shared refs: full blocks             params leaves, then the step's constants
-  halting refs: [1, 1]                 tol (float32, if given), min_iters (int32)
-  h refs: [G, ...]                     initial state leaves
-  x refs: [G, ...]                     input leaves
-  rows_ref: int32 [G, 1]               rows' indices in the caller's batch (`uses_rows`)
-  out h refs: [G, ...]                 the state, updated in place, then final
-  out residual/steps/halted: [G, 1]    per-row columns (`track`)
-  alive_ref: SMEM int32 [G / C]        1 while a chunk has a running row (`track`)
+  ins, outs, scratch: the named groups (`_Ins`, `_Outs`, `_Scratch`)
   """
-  n_params, n_consts, n_halting, n_h, n_x = n_ops
-  params_tree, halting_tree, h_tree, x_tree = trees
-  it = iter(refs)
-  params_refs = [next(it) for _ in range(n_params)]
-  const_refs = [next(it) for _ in range(n_consts)]
-  halting = tree_util.tree_unflatten(halting_tree, [next(it)[...] for _ in range(n_halting)])
-  h_refs = [next(it) for _ in range(n_h)]
-  x_refs = [next(it) for _ in range(n_x)]
-  rows_ref = next(it) if plan.uses_rows else None
-  out_refs = [next(it) for _ in range(n_h)]
+  halting = tree_util.tree_map(lambda r: r[...], ins.halting)
   if track:
-    residual_ref, steps_ref, halted_ref, alive_ref = next(it), next(it), next(it), next(it)
+    residual_ref, steps_ref, halted_ref = outs.residual, outs.steps, outs.halted
+    alive_ref = scratch.alive
 
   g = pl.program_id(0)
   chunk = plan.chunk_rows
-  shared = kernel_forward.shared_loader(params_refs + const_refs,
-                                        plan.param_shapes + plan.const_shapes,
-                                        on_chip=True, sliced=plan.sliced)
-  params = tree_util.tree_unflatten(params_tree, shared[:n_params])
-  consts = shared[n_params:]
+  params, consts = toolkit.shared_loader(ins.params, ins.consts,
+                                         plan.param_shapes + plan.const_shapes,
+                                         on_chip=True, sliced=plan.sliced)
   assert plan.config is not None, plan.problems
   rules = plan.config.eval_rules
-  for src, dst in zip(h_refs, out_refs):
+  for src, dst in zip(tree_util.tree_leaves(ins.h), tree_util.tree_leaves(outs.h)):
     dst[...] = src[...]
   if track:
     residual_ref[...] = jnp.zeros(residual_ref.shape, residual_ref.dtype)
@@ -350,15 +366,15 @@ def _kernel(active_ref, trips_ref, *refs, plan: GroupPlan, trees, n_ops, elems_p
       alive_ref[c] = 1
 
   def evaluate(t, rows):
-    h = tree_util.tree_unflatten(h_tree, [ref[rows] for ref in out_refs])
-    x = tree_util.tree_unflatten(x_tree, [ref[rows] for ref in x_refs])
-    ids = rows_ref[rows] if rows_ref is not None else jnp.zeros((chunk, 1), jnp.int32)
+    h = tree_util.tree_map(lambda ref: ref[rows], outs.h)
+    x = tree_util.tree_map(lambda ref: ref[rows], ins.x)
+    ids = ins.rows[rows] if ins.rows is not None else jnp.zeros((chunk, 1), jnp.int32)
     h_new, _, flag = plan.traced.apply(consts, params, h, x, jnp.full((chunk, 1), t, jnp.int32),
                                        ids, t, rules=rules)
     return h, h_new, flag
 
   def store(rows, h):
-    for ref, leaf in zip(out_refs, tree_util.tree_leaves(h)):
+    for ref, leaf in zip(tree_util.tree_leaves(outs.h), tree_util.tree_leaves(h)):
       ref[rows] = leaf
 
   def below(limit):
@@ -441,47 +457,52 @@ def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True) -> LoopOutput
   track = residual or ops.halting is not None
   group, padded = p.group_rows, p.rows
   max_iters = p.max_iters
-  params_leaves, params_tree = tree_util.tree_flatten(ops.params)
-  h_tree: Any = tree_util.tree_structure(ops.h0)
-  x_tree: Any = tree_util.tree_structure(ops.x)
-  shared = kernel_forward.shared_operands(params_leaves, p.traced.const_values, p.sliced)
-  halting_leaves, halting_tree = tree_util.tree_flatten(ops.halting)
-  halting_ops = [a.reshape(1, 1) for a in halting_leaves]
-  kernel = functools.partial(
-      _kernel, plan=p, trees=(params_tree, halting_tree, h_tree, x_tree),
-      n_ops=(len(params_leaves), len(p.const_shapes), len(halting_ops), h_tree.num_leaves,
-             x_tree.num_leaves),
-      elems_per_row=loop_lib.elems_per_row(ops.h0), track=track, residual=residual)
-  # Index maps take the grid index and the two scalar-prefetched tables.
+  params, consts = toolkit.shared_operands(ops.params, p.traced.const_values, p.sliced)
+  halting = tree_util.tree_map(lambda a: a.reshape(1, 1), ops.halting)
+  column = lambda dtype: jax.ShapeDtypeStruct((padded, 1), dtype)
+  outs = _Outs(
+      h=tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((padded,) + a.shape[1:], a.dtype),
+                           ops.h0),
+      residual=column(jnp.float32) if track else None,
+      steps=column(jnp.int32) if track else None,
+      halted=column(jnp.int32) if track else None)
+  scratch = _Scratch(alive=pltpu.SMEM((group // p.chunk_rows,), jnp.int32) if track else None)
+  # The group kernel's own launch, not `kernel_toolkit.launch`: its grid
+  # takes the two scalar-prefetched tables (index maps get them too) and
+  # scratch in SMEM. Index maps take the grid index and the two tables.
   rows_of = lambda a: pl.BlockSpec((group,) + tuple(a.shape[1:]),
                                    lambda g, act, trips: (g,) + (0,) * (len(a.shape) - 1))
   whole = lambda a: pl.BlockSpec(tuple(a.shape), lambda g, act, trips: (0,) * len(a.shape))
-  column = lambda dtype: jax.ShapeDtypeStruct((padded, 1), dtype)
-  stats = [column(jnp.float32), column(jnp.int32), column(jnp.int32)] if track else []
-  scratch = [pltpu.SMEM((group // p.chunk_rows,), jnp.int32)] if track else []
+  spec_of = {schedule_lib.SHARED: whole, schedule_lib.ROWS_IN: rows_of}
+  out_leaves, out_tree = tree_util.tree_flatten(outs)
+  scratch_leaves, scratch_tree = tree_util.tree_flatten(scratch)
 
   def on_groups(per_row, counts):
     h_in, x_in, index = per_row  # leaves [B, ...]; index int32 [B] or None
-    h_leaves, x_leaves = tree_util.tree_leaves(h_in), tree_util.tree_leaves(x_in)
-    rows_in = [index.reshape(padded, 1)] if p.uses_rows else []
+    ins = _Ins(params=params, consts=consts, halting=halting, h=h_in, x=x_in,
+               rows=index.reshape(padded, 1) if p.uses_rows else None)
+    in_leaves, in_tree = tree_util.tree_flatten(ins)
     active = active_rows(counts, p.groups, max(max_iters, 1))
     trips = jnp.max(counts.reshape(p.groups, group), axis=1).astype(jnp.int32)
-    outs = pl.pallas_call(
+    kernel = toolkit.unflattened(
+        functools.partial(_kernel, plan=p, elems_per_row=loop_lib.elems_per_row(ops.h0),
+                          track=track, residual=residual),
+        in_tree, out_tree, scratch_tree, leading=2)
+    got = tree_util.tree_unflatten(out_tree, pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(p.groups,),
-            in_specs=[*map(whole, shared + halting_ops), *map(rows_of, h_leaves),
-                      *map(rows_of, x_leaves), *map(rows_of, rows_in)],
-            out_specs=[*map(rows_of, h_leaves), *map(rows_of, stats)],
-            scratch_shapes=scratch),
-        out_shape=[*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in h_leaves), *stats],
+            in_specs=[spec_of[k](a) for k, a in zip(toolkit.leaf_kinds(_IN_KINDS, ins),
+                                                    in_leaves)],
+            out_specs=[rows_of(a) for a in out_leaves],
+            scratch_shapes=scratch_leaves),
+        out_shape=out_leaves,
         compiler_params=config.compiler_params,
         interpret=p.backend.interpret,
         name=KERNEL_NAME,
-    )(active, trips, *shared, *halting_ops, *h_leaves, *x_leaves, *rows_in)
-    n_h = h_tree.num_leaves
-    h_out = tree_util.tree_unflatten(h_tree, outs[:n_h])
-    return (h_out, [a[:, 0] for a in outs[n_h:]]), None
+    )(active, trips, *in_leaves))
+    stats = [a[:, 0] for a in (got.residual, got.steps, got.halted)] if track else []
+    return (got.h, stats), None
 
   # Only what the kernel reads travels into count order (the rows' indices
   # only for a keyed step), and only what it computes travels back: without

@@ -64,7 +64,16 @@ def update_rms(h_new: Any, h: Any, elems_per_row: int) -> jax.Array:
 
 def select_rows(active: jax.Array, new: Any, old: Any) -> Any:
   """Per leaf: rows where `active` ([R, 1]) from `new`, others from `old`."""
-  return tree_util.tree_map(lambda n, o: jnp.where(row_mask(active, o.shape), n, o), new, old)
+  return tree_util.tree_map(lambda n, o: _select(row_mask(active, o.shape), n, o), new, old)
+
+
+def _select(mask: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+  if new.dtype == jnp.bool_:
+    # Bool leaves (ACT's per-token flags) by logic, not a select: Mosaic in
+    # libtpu 0.0.42.1 widens a select of bool vectors to int8 in a layout
+    # it then rejects ("Invalid input layout" on `arith.extsi`).
+    return (mask & new) | (~mask & old)
+  return jnp.where(mask, new, old)
 
 
 def _as_column(flag: jax.Array, rows: int) -> jax.Array:

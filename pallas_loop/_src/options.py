@@ -25,7 +25,8 @@ class Options:
 
   The fields choose speed and where the work runs, not what is computed:
   results agree to rounding across them (the tests hold each to the
-  reference), except that `approx_tanh` picks a GPU `tanh` of bounded error.
+  reference), except that `approx_tanh` picks a GPU `tanh` and a TPU
+  logistic of bounded error.
   Every field has the default `iterate` uses and is checked when the
   `Options` is built (a bad value fails there, naming the field). The value
   is frozen and hashable, so it can be a static argument of `jax.jit`;
@@ -63,9 +64,12 @@ class Options:
       error at most 2^-11, below a 16-bit float's rounding) or libdevice's
       `tanhf` (about 15). None (default): the approximation where every
       floating leaf of the state is 16-bit (bfloat16, float16), libdevice
-      where any is wider; True/False: always/never. The XLA implementation
-      and the TPU kernels always use their platform's own `tanh`; interpret
-      mode applies the approximation's worst case. See the docs'
+      where any is wider; True/False: always/never. The same choice decides
+      whether the TPU kernels compute the logistic (`jax.nn.sigmoid`) as
+      `0.5 tanh(x / 2) + 0.5` (one transcendental instead of an exp and a
+      reciprocal; off by up to 2.2e-5 on a v5e, where the exact one is
+      off by 1.0e-6). The XLA implementation always uses its platform's
+      own; interpret mode applies the approximations. See the docs'
       "Implementations" page, "Transcendentals on a GPU".
 
   Examples:

@@ -172,6 +172,33 @@ def test_implicit_defaults_come_from_the_forward(impl):
     np.testing.assert_allclose(g_, w_, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_implicit_indexed_step_closing_over_a_differentiated_array(impl):
+  """grad=Implicit with step_index=True, differentiated w.r.t. an array the
+  step closes over: the adjoint applies the step one row at a time, a shape
+  the forward never traced (it raised UnexpectedTracerError), and gives the
+  gradient of the same array passed through params."""
+  d, batch = 8, 6
+  w = 0.4 * jax.random.normal(jax.random.key(0), (d, d)) / np.sqrt(d)
+  u = 0.3 * jnp.eye(d)
+  x = jax.random.normal(jax.random.key(1), (batch, d))
+  kw = dict(iters=jnp.array([0, 3, 30, 30, 30, 30]), max_iters=30, tol=1e-5, step_index=True,
+            grad=pallas_loop.Implicit(), options=cases.IMPLEMENTATIONS[impl])
+
+  def closed(w, u):
+    step = lambda w_, h, x_, *, index: jnp.tanh(h @ w_ + x_ @ u + 0.01 * index.astype(float))
+    return jnp.sum(jnp.sin(pallas_loop.iterate(step, w, jnp.zeros((batch, d)), x, **kw)))
+
+  def passed(w, u):
+    step = lambda p, h, x_, *, index: jnp.tanh(h @ p[0] + x_ @ p[1] + 0.01 * index.astype(float))
+    return jnp.sum(jnp.sin(pallas_loop.iterate(step, (w, u), jnp.zeros((batch, d)), x, **kw)))
+
+  got = jax.grad(closed, argnums=(0, 1))(w, u)
+  want = jax.grad(passed, argnums=(0, 1))(w, u)
+  for g_, w_ in zip(got, want):
+    np.testing.assert_allclose(g_, w_, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("mode", [pallas_loop.Full(), pallas_loop.Truncated(2),
                                   pallas_loop.Phantom(2), pallas_loop.Implicit(max_iters=20)])
 def test_modes_under_jit_and_vmap(mode):

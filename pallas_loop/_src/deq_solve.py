@@ -5,13 +5,17 @@
 The forward is one `iterate` call whose state is (z, residual, solver state):
 each step evaluates the map f at z, records rms(f(z) - z) and moves z by the
 solver; a row halts (the `halt` machinery, per row) once that residual is at
-most its threshold, keeping f(z). `ImplicitAdjoint` wraps this in a
+most its threshold, keeping f(z). The adjoint strategy (`adjoint=`) runs
+that solve with its gradient (its `_solve`). `ImplicitAdjoint` wraps it in a
 `jax.custom_vjp` whose forward is not differentiated (no gradient through
-`iterate`, so the solver state may hold anything) and whose backward solves
-the adjoint fixed point u = g + u df/dz(z*) with another `iterate` call of
-the same kind (same solvers), then pulls u back through f only: the gradient
-of the map at its fixed point, whatever solver found it. `UnrolledAdjoint`
-instead backpropagates through the solver's steps (`iterate`'s "full" mode).
+`iterate`, so the solver state may hold anything) and whose backward is the
+implicit adjoint core that `grad=Implicit` uses too (`implicit_adjoint.vjp`):
+the adjoint fixed point u = g + u df/dz(z*), solved here by another
+`solve_rows` call (same solvers), then u pulled back through f only: the
+gradient of the map at its fixed point, whatever solver found it.
+`UnrolledAdjoint` instead backpropagates through the solver's steps
+(`iterate`'s "full" mode). The map's closed-over arrays become operands by
+`step_fn.StepFn`, the closure conversion `iterate` uses for its step.
 
 With `key=`, each row gets one key (iterate's key of that row at step 0),
 the same at every solver step and in the adjoint solve: it travels with the
@@ -24,6 +28,7 @@ of an `adjoint_probe`. Non-convergence is reported by the policy
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 import os
@@ -38,9 +43,11 @@ import numpy as np
 
 from pallas_loop import random as random_lib
 from pallas_loop._src import deq_solvers
+from pallas_loop._src import implicit_adjoint
 from pallas_loop._src import keywords
 from pallas_loop._src import notices
 from pallas_loop._src import options as options_lib
+from pallas_loop._src import step_fn as step_fn_lib
 from pallas_loop._src.iterate import iterate
 from pallas_loop._src.options import Options
 from pallas_loop.halting import row_rms
@@ -140,8 +147,42 @@ def _check_policy(name: str, value: Any) -> None:
     raise ValueError(f"{name}={value!r} must be one of {POLICIES}.")
 
 
+class _Solve(NamedTuple):
+  """One `fixed_point` call's forward solve, as its adjoint strategy gets it.
+
+  Attributes:
+    fmap: the map on a tile, (shared, z [R, D], per_row) -> [R, D].
+    solver: the forward's `Solver`.
+    max_iters: the forward's budget.
+    options: how iterate runs (every solve of the call).
+    tol: the forward's tolerance (a float, or a traced scalar).
+    on_failure: the forward's policy.
+    site: the caller's (file, line), for the reports.
+  """
+
+  fmap: Callable[[Any, jax.Array, Any], jax.Array]
+  solver: deq_solvers.Solver
+  max_iters: int
+  options: Options
+  tol: Any
+  on_failure: str
+  site: tuple[str, int]
+
+
+class _Adjoint(abc.ABC):
+  """How `fixed_point` differentiates its solve (`ImplicitAdjoint`,
+  `UnrolledAdjoint`): the strategy runs the forward solve with its gradient."""
+
+  @abc.abstractmethod
+  def _solve(self, forward: _Solve, shared: Any, z0: jax.Array, per_row: Any,
+             threshold: jax.Array, probe: SolveInfo | None) -> tuple[jax.Array, SolveInfo]:
+    """(z*, the forward's SolveInfo), differentiable by this strategy's rule;
+    `probe` (None: not asked for) receives the adjoint's statistics as its
+    cotangent."""
+
+
 @dataclasses.dataclass(frozen=True)
-class ImplicitAdjoint:
+class ImplicitAdjoint(_Adjoint):
   """The implicit-function gradient of the map at its fixed point (the default).
 
   With z* = f(params, z*, x) and g the cotangent of z*, solves the adjoint
@@ -199,13 +240,19 @@ class ImplicitAdjoint:
     if self.on_failure is not None:
       _check_policy("ImplicitAdjoint(on_failure)", self.on_failure)
 
+  def _solve(self, forward: _Solve, shared: Any, z0: jax.Array, per_row: Any,
+             threshold: jax.Array, probe: SolveInfo | None) -> tuple[jax.Array, SolveInfo]:
+    # The custom_vjp takes a probe either way; one nobody reads when not asked.
+    probe = probe if probe is not None else adjoint_probe(z0.shape[0])
+    return _implicit(forward, self)(shared, z0, per_row, threshold, probe)
+
 
 ImplicitAdjoint.__init__ = keywords.renamed(max_steps="max_iters")(  # type: ignore[method-assign]
     ImplicitAdjoint.__init__)
 
 
 @dataclasses.dataclass(frozen=True)
-class UnrolledAdjoint:
+class UnrolledAdjoint(_Adjoint):
   """Backpropagation through every solver step (`iterate`'s "full" gradient).
 
   The gradient of the computation the solver did (solver update included),
@@ -226,6 +273,12 @@ class UnrolledAdjoint:
     >>> bool(jnp.allclose(g_unrolled, g_implicit, atol=1e-4))
     True
   """
+
+  def _solve(self, forward: _Solve, shared: Any, z0: jax.Array, per_row: Any,
+             threshold: jax.Array, probe: SolveInfo | None) -> tuple[jax.Array, SolveInfo]:
+    del probe  # no adjoint solve: its gradient stays zero
+    return solve_rows(forward.fmap, shared, z0, per_row, threshold, forward.solver,
+                      forward.max_iters, forward.options, grad="full")
 
 
 class _Flat:
@@ -259,41 +312,6 @@ class _Flat:
       out.append(z[:, start:start + size].reshape((rows,) + tail).astype(dtype))
       start += size
     return tree_util.tree_unflatten(self.treedef, out)
-
-
-class _Hoisted:
-  """`fn(params, z, x)` with the arrays it closes over as explicit operands, at any row count.
-
-  The captured arrays (tracers of an enclosing trace, e.g. a `jax.grad` over
-  a closed-over weight, or concrete arrays) are found by tracing `fn` once at
-  the batch shape; each later call retraces it at the shape at hand (a tile
-  of rows) and substitutes the operands it is given for them, by identity.
-  Inside a `custom_vjp` and a kernel nothing may be captured from outside;
-  this is how the map's closed-over arrays get their gradients.
-  """
-
-  def __init__(self, fn: Callable[..., Any], params: Any, z: Any, x: Any):
-    self.fn = fn
-    self.consts = tuple(jax.make_jaxpr(fn)(*_avals((params, z, x))).consts)
-
-  def __call__(self, consts: Any, params: Any, z: Any, x: Any) -> Any:
-    closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*_avals((params, z, x)))
-    by_id = {id(c): i for i, c in enumerate(self.consts)}
-    values = []
-    for c in closed.consts:
-      if id(c) in by_id:
-        values.append(consts[by_id[id(c)]])
-      elif isinstance(c, jax.core.Tracer):
-        raise ValueError("f closes over a traced array that it did not capture when traced at "
-                         "the batch shape; pass such arrays through `params`.")
-      else:
-        values.append(c)
-    out = jax.core.eval_jaxpr(closed.jaxpr, values, *tree_util.tree_leaves((params, z, x)))
-    return tree_util.tree_unflatten(tree_util.tree_structure(out_shape), out)
-
-
-def _avals(tree: Any) -> Any:
-  return tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tree)
 
 
 def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0: jax.Array,
@@ -523,7 +541,7 @@ def fixed_point(
   _check_policy("on_failure", on_failure)
   if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
     raise ValueError(f"{max_iters=} must be a Python int >= 1.")
-  if not isinstance(adjoint, (ImplicitAdjoint, UnrolledAdjoint)):
+  if not isinstance(adjoint, _Adjoint):
     raise TypeError(f"{adjoint=} must be deq.ImplicitAdjoint(...) or deq.UnrolledAdjoint().")
   flat = _Flat(h0)
   z0 = flat.ravel(h0)
@@ -539,23 +557,22 @@ def fixed_point(
     out = f(p, flat.unravel(z), xx, key=keys) if keyed else f(p, flat.unravel(z), xx)
     return flat.ravel(out)
 
-  # Arrays f closes over become explicit (differentiated) operands.
-  hoisted = _Hoisted(map_rows, params, z0, per_row)
-  consts = hoisted.consts
+  # Arrays f closes over become explicit (differentiated) operands: found at
+  # the batch's shape, substituted at each tile's (a custom_vjp or a kernel
+  # may capture nothing from outside).
+  map_fn = step_fn_lib.StepFn.closing_over(map_rows, params, z0, per_row, name="f")
+  consts = map_fn.outer_consts
 
   def fmap(shared, z, xx):
     p, c = shared
-    return hoisted(c, p, z, xx)
+    return map_fn(p, c, z, xx)
 
   threshold = jnp.broadcast_to(jnp.asarray(tol, jnp.float32), (batch,))
   shared = (params, tuple(consts))
-  if isinstance(adjoint, UnrolledAdjoint):
-    z, info = solve_rows(fmap, shared, z0, per_row, threshold, solver, max_iters, options,
-                         grad="full")
-  else:
-    probe = adjoint_probe if adjoint_probe is not None else _unread_probe(batch)
-    z, info = _implicit(fmap, solver, max_iters, options, tol, on_failure, adjoint, site)(
-        shared, z0, per_row, threshold, probe)
+  forward = _Solve(fmap, solver, max_iters, options, tol, on_failure, site)
+  # The strategy runs the solve with its gradient (the module's own method).
+  z, info = adjoint._solve(  # pylint: disable=protected-access
+      forward, shared, z0, per_row, threshold, adjoint_probe)
   _report("forward", on_failure, _tolerance("forward", tol), max_iters, info, site)
   if on_failure == "nan":
     z = _nan_rows(info.converged, z)
@@ -563,23 +580,22 @@ def fixed_point(
   return (h, info) if return_info else h
 
 
-def _unread_probe(batch: int) -> SolveInfo:
-  """A probe nobody reads (the custom_vjp takes one either way; `fixed_point`'s
-  keyword of the same name hides the module's `adjoint_probe` there)."""
-  return adjoint_probe(batch)
-
-
-def _implicit(fmap, solver, max_iters, options, tol, on_failure, adjoint: ImplicitAdjoint, site):
-  """The forward solve as a custom_vjp whose backward is the adjoint solve.
+def _implicit(forward: _Solve, adjoint: ImplicitAdjoint):
+  """The forward solve as a custom_vjp whose backward is the implicit
+  adjoint (`implicit_adjoint.vjp`), its fixed point solved by the DEQ's row
+  solve with `adjoint`'s solver, tolerance (relative to each row's
+  cotangent), budget and policy.
 
   Its last operand is the adjoint probe: the backward returns the adjoint
   solve's statistics as the probe's cotangent.
   """
+  fmap, solver, max_iters, options = (forward.fmap, forward.solver, forward.max_iters,
+                                      forward.options)
   # ImplicitAdjoint's __post_init__ made a named solver a Solver.
   adj_solver = solver if adjoint.solver is None else cast(deq_solvers.Solver, adjoint.solver)
-  adj_tol = tol if adjoint.tol is None else adjoint.tol
+  adj_tol = forward.tol if adjoint.tol is None else adjoint.tol
   adj_iters = max_iters if adjoint.max_iters is None else adjoint.max_iters
-  adj_policy = on_failure if adjoint.on_failure is None else adjoint.on_failure
+  adj_policy = forward.on_failure if adjoint.on_failure is None else adjoint.on_failure
 
   @jax.custom_vjp
   def run(shared, z0, per_row, threshold, probe):
@@ -594,26 +610,24 @@ def _implicit(fmap, solver, max_iters, options, tol, on_failure, adjoint: Implic
   def run_bwd(saved, cotangents):
     shared, per_row, z_star, threshold = saved
     g = cotangents[0]
-
-    def adjoint_map(shared, u, rows):
-      zs, xx, gg = rows
-      _, vjp = jax.vjp(lambda z: fmap(shared, z, xx), zs)
-      return gg + vjp(u)[0]
-
     # Relative to the row's cotangent; the forward's tol (maybe traced) travels
     # in `threshold`, never closed over (a custom_vjp rule must not capture).
     rel = threshold if adjoint.tol is None else jnp.full_like(threshold, adjoint.tol)
     adj_threshold = rel * row_rms(g)
-    u, info = solve_rows(adjoint_map, shared, g, (z_star, per_row, g), adj_threshold,
-                         adj_solver, adj_iters, options)
-    callback = adjoint.callback
-    if callback is not None:
-      jax.debug.callback(lambda *a: callback(SolveInfo(*a)), *info)
-    _report("adjoint", adj_policy, _tolerance("adjoint", adj_tol), adj_iters, info, site)
-    if adj_policy == "nan":
-      u = _nan_rows(info.converged, u)
-    _, vjp = jax.vjp(lambda s, xx: fmap(s, z_star, xx), shared, per_row)
-    g_shared, g_per_row = vjp(u)
+
+    def solve(step, shared, g0, rows):
+      return solve_rows(step, shared, g0, rows, adj_threshold, adj_solver, adj_iters, options)
+
+    def settle(u, info):
+      callback = adjoint.callback
+      if callback is not None:
+        jax.debug.callback(lambda *a: callback(SolveInfo(*a)), *info)
+      _report("adjoint", adj_policy, _tolerance("adjoint", adj_tol), adj_iters, info,
+              forward.site)
+      return _nan_rows(info.converged, u) if adj_policy == "nan" else u
+
+    g_shared, g_per_row, info = implicit_adjoint.vjp(fmap, shared, z_star, per_row, g, solve,
+                                                     settle)
     stats = SolveInfo(info.steps.astype(jnp.float32), info.residual.astype(jnp.float32),
                       info.converged.astype(jnp.float32))
     return g_shared, jnp.zeros_like(z_star), g_per_row, jnp.zeros_like(threshold), stats

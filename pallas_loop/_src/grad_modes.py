@@ -3,8 +3,9 @@
 A mode says what the forward saves (`GradMode.saves`) and how the backward
 runs from it (`GradMode.backward`); `iterate` wires any mode into its
 custom_vjp the same way. `Full`, `Truncated` and `Phantom` are each one VJP
-of a per-row window of steps (`loop_reverse.py`); `Implicit` solves the
-adjoint fixed point with `iterate` itself. When to use which, and what each
+of a per-row window of steps (`loop_reverse.py`); `Implicit` is the implicit
+adjoint core (`implicit_adjoint.py`, which `pallas_loop.deq` calls too), its
+adjoint fixed point solved with `iterate` itself. When to use which, and what each
 costs in memory: the documentation's "Gradients and memory" page.
 """
 
@@ -19,6 +20,7 @@ from jax import tree_util
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_loop._src import implicit_adjoint
 from pallas_loop._src import loop as loop_lib
 from pallas_loop._src import loop_reverse
 from pallas_loop._src import step_fn as step_fn_lib
@@ -108,6 +110,15 @@ class GradMode(abc.ABC):
     """The keyword arguments with which the oracle (`pallas_loop._reference`)
     computes this mode's gradient, or None when it has no counterpart there."""
     return None
+
+  def traces_backward_early(self, ctx: Context) -> bool:
+    """Whether `iterate` traces this mode's backward in the forward too: when
+    the backward calls the step at a shape the forward does not, retracing
+    it there would touch the arrays the step closes over after their trace
+    ended (an `UnexpectedTracerError` under `jax.grad` w.r.t. such an array);
+    traced early, the step's jaxpr at that shape is kept (`StepFn.traced`)."""
+    del ctx
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,20 +273,23 @@ class Implicit(GradMode):
     if not g_floats:
       return _no_gradients(ops, g)
 
-    def adjoint_step(shared, u, per_row):
-      h_s, x, g_, t, r = per_row
-      (d_h,) = loop_reverse.vjp_of_floats(
-          lambda h: ctx.fn.new_state_per_row(shared, h, x, t, r), (h_s,), u)
-      return [a + b for a, b in zip(g_, loop_reverse.float_leaves(d_h))]
+    def fmap(shared, h, per_row):  # each row at its last step's index and key
+      x, t, r = per_row
+      return ctx.fn.new_state_per_row(shared, h, x, t, r)
 
-    u = ctx.iterate(
-        adjoint_step, (ops.params, ops.consts), g_floats, (h_star, ops.x, g_floats, t_last, rows),
-        iters=jnp.where(steps > 0, budget, 0), max_iters=budget, tol=tol)
-    u = [_zero_rows(steps > 0, a) for a in u]
-    (g_params, g_consts), g_x = loop_reverse.vjp_of_floats(
-        lambda shared, x: ctx.fn.new_state_per_row(shared, h_star, x, t_last, rows),
-        ((ops.params, ops.consts), ops.x), u)
+    def solve(step, shared, g0, per_row):  # plain iteration, as the forward halts
+      return ctx.iterate(step, shared, g0, per_row, iters=jnp.where(steps > 0, budget, 0),
+                         max_iters=budget, tol=tol), None
+
+    settle = lambda u, _: [_zero_rows(steps > 0, a) for a in u]
+    (g_params, g_consts), (g_x, _, _), _ = implicit_adjoint.vjp(
+        fmap, (ops.params, ops.consts), h_star, (ops.x, t_last, rows), g_floats, solve, settle)
     return g_params, g_consts, _zero_rows(steps == 0, g), g_x
+
+  def traces_backward_early(self, ctx: Context) -> bool:
+    # A step that takes its index runs one row at a time in the adjoint
+    # (`StepFn.new_state_per_row`): a shape of one row the forward never uses.
+    return ctx.fn.indexed
 
 
 def _no_gradients(ops: LoopOperands, g: Any) -> Gradients:

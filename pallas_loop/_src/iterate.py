@@ -259,7 +259,7 @@ def _differentiable(mode: grad_modes.GradMode, ctx: grad_modes.Context,
   def run_fwd(ops: LoopOperands) -> tuple[LoopOutputs, grad_modes.Saved]:
     out = ctx.forward(ops)
     saved = mode.saves(ops, out)
-    if jax_versions.BACKWARD_TRACED_AFTER_VMAP:
+    if jax_versions.BACKWARD_TRACED_AFTER_VMAP or mode.traces_backward_early(ctx):
       # Trace the backward now, while what step closes over is live; the
       # backward proper reuses the step's traced shapes (`StepFn.traced`).
       jax.eval_shape(run_bwd, saved, out)

@@ -8,7 +8,8 @@ them. So the arrays `step` closes over are found once, by tracing it at the
 batch shape (`trace_step`), and passed along as explicit operands (`consts`)
 next to `params`. Every later call (`StepFn.specialize`) traces `step` at
 the shape at hand (once per shape) and substitutes those operands for the
-captured values.
+captured values. `pallas_loop.deq` converts its map the same way
+(`StepFn.closing_over`): this is the library's one closure conversion.
 """
 
 from __future__ import annotations
@@ -155,6 +156,14 @@ def output_buffer_avals(y_shape: Any, batch: int, max_iters: int) -> Any:
   return tree_util.tree_map_with_path(buffer, y_shape)
 
 
+def _trace(step: Callable, params, h, x, positioned: bool):
+  """`step` traced at the shapes of (params, h, x) (and, when `positioned`,
+  of the body's `t`, `rows`, `index`): (closed jaxpr, out_shape)."""
+  operands = (avals(params), avals(h), avals(x))
+  position = row_index_avals(h) if positioned else ()
+  return jax.make_jaxpr(step, return_shape=True)(*operands, *position)
+
+
 def trace_step(step: Callable, params, h0, x):
   """Traces the body `step(params, h0, x, t, rows)` once at the batch shape.
 
@@ -163,8 +172,7 @@ def trace_step(step: Callable, params, h0, x):
     enclosing trace or concrete arrays), in a stable order, and the pytree
     of `ShapeDtypeStruct` it returns.
   """
-  closed, out_shape = jax.make_jaxpr(step, return_shape=True)(
-      avals(params), avals(h0), avals(x), *row_index_avals(h0))
+  closed, out_shape = _trace(step, params, h0, x, positioned=True)
   row_checks.check_step_jaxpr(closed, params, h0, x)  # rows stay rows
   return list(closed.consts), out_shape
 
@@ -227,28 +235,41 @@ class SpecializedStep:
 class StepFn:
   """The user's step with its closed-over arrays turned into operands.
 
-  `consts` (the values found by `trace_step`) are identified by object
-  identity; the operands that replace them are passed at each call.
+  `outer_consts` (the values found by `trace_step`, or by `closing_over`)
+  are identified by object identity; the operands that replace them are
+  passed at each call.
   """
 
   step: Callable
   outer_consts: tuple
   indexed: bool = False  # the step takes its step index (`step_index=True`)
   outputs: bool = False  # the step returns (h_new, y) (`step_outputs=True`)
+  # The step takes the body's (t, rows, index) after (params, h, x), as
+  # iterate's body does; False for a map of (params, h, x) alone (the DEQ's).
+  positioned: bool = True
+  # What the user calls the function, for the messages ("step", "f").
+  name: str = "step"
   # Each shape `step` was traced at: (jaxpr, out_tree, sources, constants made
   # inside step), so a later call at that shape does not retrace it (see
   # `jax_versions.BACKWARD_TRACED_AFTER_VMAP`). One `iterate` call's own.
   traced: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
+  @classmethod
+  def closing_over(cls, step: Callable, params, h, x, **fields) -> "StepFn":
+    """`step(params, h, x)` (no body extras) with the arrays it closes over
+    at these shapes (the batch's) as its `outer_consts`; `fields` as the
+    class's (e.g. `name="f"`). The DEQ's map: its rows are checked where
+    `iterate` traces the solver step that calls it."""
+    closed, _ = _trace(step, params, h, x, positioned=False)
+    return cls(step, tuple(closed.consts), positioned=False, **fields)
+
   def specialize(self, params, consts, h, x) -> SpecializedStep:
     """Traces `step` at the shapes of `h`/`x` (once per shape) and maps its
     captured arrays to `consts`."""
-    operands = (avals(params), avals(h), avals(x))
-    leaves, tree = tree_util.tree_flatten(operands)
+    leaves, tree = tree_util.tree_flatten((avals(params), avals(h), avals(x)))
     shape_key = (tree, tuple((a.shape, a.dtype) for a in leaves))
     if shape_key not in self.traced:
-      closed, out_shape = jax.make_jaxpr(self.step, return_shape=True)(
-          *operands, *row_index_avals(h))
+      closed, out_shape = _trace(self.step, params, h, x, self.positioned)
       by_id = {id(c): i for i, c in enumerate(self.outer_consts)}
       found: list[int | None] = []  # each constant's position in outer_consts
       kept: list[Any] = []  # each constant, None where it is an outer one
@@ -258,7 +279,7 @@ class StepFn:
           kept.append(None)
         elif isinstance(c, jax.core.Tracer):
           raise ValueError(
-              "step closes over a traced array that it did not capture when "
+              f"{self.name} closes over a traced array that it did not capture when "
               "traced at the batch shape; pass such arrays through `params`.")
         else:
           kept.append(c)  # a constant created inside step: safe to pass along
@@ -268,7 +289,9 @@ class StepFn:
     values = tuple(c if i is None else consts[i] for i, c in zip(sources, inner))
     return SpecializedStep(jaxpr, values, out_tree, sources)
 
-  def __call__(self, params, consts, h, x, t, rows, index):
+  def __call__(self, params, consts, h, x, t=None, rows=None, index=None):
+    """The step's output at (params, consts, h, x) (and the body's `t`,
+    `rows`, `index` where it is `positioned`)."""
     spec = self.specialize(params, consts, h, x)
     return spec.apply(spec.const_values, params, h, x, t, rows, index)
 

@@ -8,7 +8,7 @@
 
 Export only proves that Pallas emitted a kernel; this runs the compilers the
 accelerators run: XLA's own Triton pipeline for an H200 (the CUDA plugin's
-compile-only topology, from `pallas_loop/_src/targets/h200.txtpb`) and libtpu's Mosaic for
+compile-only topology, from `pallas_loop/_src/kernels/targets/h200.txtpb`) and libtpu's Mosaic for
 TPU v5e and v6e. Each case is compiled in its own process (a compiler crash
 is a reported result, not the end of the run), as `jit(iterate)` or
 `jit(value_and_grad(iterate))` with the default `implementation=None`, so

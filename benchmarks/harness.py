@@ -46,11 +46,11 @@ import numpy as np
 
 import pallas_loop
 from pallas_loop import tuning
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import kernel_tpu_groups
-from pallas_loop._src import backend_triton
-from pallas_loop._src import xla_backward
-from pallas_loop._src import xla_forward
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.kernels import kernel_tpu_groups
+from pallas_loop._src.kernels import backend_triton
+from pallas_loop._src.xla import xla_backward
+from pallas_loop._src.xla import xla_forward
 from pallas_loop import _reference as reference
 from benchmarks import blocks
 from benchmarks import cases

@@ -3,7 +3,7 @@
     python -m benchmarks.ladder                          # MIN_ROWS 16,32,64,128, 5 rounds
     python -m benchmarks.ladder --min-rows 16,64 --rounds 2
 
-Each stage of the XLA forward (`pallas_loop/_src/xla_forward.py`) is one more
+Each stage of the XLA forward (`pallas_loop/_src/xla/xla_forward.py`) is one more
 `lax.while_loop` for XLA to compile, and the ladder's smallest stages are
 where rows that finish late (or halt late) stop paying for the whole
 batch. `xla_forward.MIN_ROWS` sets the smallest stage. This runs the quick
@@ -25,7 +25,7 @@ import jax
 
 from benchmarks import cases
 from benchmarks import harness
-from pallas_loop._src import xla_forward
+from pallas_loop._src.xla import xla_forward
 
 
 def sweep(min_rows: list[int], rounds: int, repeats: int, suite: str = "quick") -> list[dict]:

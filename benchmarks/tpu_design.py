@@ -279,8 +279,8 @@ def baselines(write, args) -> None:
   default and XLA implementations, and the prototype's whole forward."""
   import pallas_loop
   from pallas_loop import _reference as reference
-  from pallas_loop._src import backend_mosaic_tpu
-  from pallas_loop._src import kernel_tpu_groups
+  from pallas_loop._src.kernels import backend_mosaic_tpu
+  from pallas_loop._src.kernels import kernel_tpu_groups
   from benchmarks import blocks
   from benchmarks import harness
 

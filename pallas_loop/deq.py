@@ -16,10 +16,10 @@ names as strings ("broyden", "anderson", "damped"), or a subclass of
 `Solver` with its own state.
 """
 
-from pallas_loop._src.deq_solve import (ImplicitAdjoint, NonConvergenceError,
+from pallas_loop._src.deq.deq_solve import (ImplicitAdjoint, NonConvergenceError,
                                         NonConvergenceWarning, SolveInfo, UnrolledAdjoint,
                                         adjoint_probe, fixed_point)
-from pallas_loop._src.deq_solvers import Anderson, Broyden, Damped, Solver
+from pallas_loop._src.deq.deq_solvers import Anderson, Broyden, Damped, Solver
 
 __all__ = ["Anderson", "Broyden", "Damped", "ImplicitAdjoint", "NonConvergenceError",
            "NonConvergenceWarning", "SolveInfo", "Solver", "UnrolledAdjoint", "adjoint_probe",

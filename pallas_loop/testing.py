@@ -42,15 +42,15 @@ from jax.typing import ArrayLike, DTypeLike
 import numpy as np
 
 import pallas_loop._reference as reference
-from pallas_loop._src import deviceless
+from pallas_loop._src.kernels import deviceless
 from pallas_loop._src import dispatch
 from pallas_loop._src import grad_modes
 from pallas_loop._src import iterate as iterate_lib
-from pallas_loop._src import kernel_backward
-from pallas_loop._src import kernel_forward
+from pallas_loop._src.kernels import kernel_backward
+from pallas_loop._src.kernels import kernel_forward
 from pallas_loop._src import options as options_lib
-from pallas_loop._src import row_checks
-from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src.step import row_checks
+from pallas_loop._src.step import step_fn as step_fn_lib
 from pallas_loop._src import tiling
 from pallas_loop._src import validation
 from pallas_loop._src.options import Options

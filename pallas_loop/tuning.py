@@ -18,8 +18,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 
 from pallas_loop._src import iterate as iterate_lib
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import backends
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.kernels import backends
 from pallas_loop._src import options as options_lib
 from pallas_loop._src import validation
 from pallas_loop._src.options import Options

@@ -65,6 +65,6 @@ def tpu_step_rules_lifted(monkeypatch):
   still checked against the oracle, with those rules lifted.
   """
   import dataclasses  # pylint: disable=g-import-not-at-top
-  from pallas_loop._src import backend_interpret  # pylint: disable=g-import-not-at-top
+  from pallas_loop._src.kernels import backend_interpret  # pylint: disable=g-import-not-at-top
   monkeypatch.setitem(backend_interpret.INTERPRETERS, "tpu",
                       dataclasses.replace(backend_interpret.for_option(True), checks=None))

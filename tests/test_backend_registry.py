@@ -22,11 +22,11 @@ import pallas_loop
 from benchmarks import blocks
 from pallas_loop import _reference as reference
 from pallas_loop import tuning
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import backend_interpret
-from pallas_loop._src import backends
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.kernels import backend_interpret
+from pallas_loop._src.kernels import backends
 from pallas_loop._src import dispatch
-from pallas_loop._src import jaxpr_eval
+from pallas_loop._src.step import jaxpr_eval
 from tests import oracle
 
 BATCH, MAX_ITERS = 20, 6
@@ -237,14 +237,14 @@ def test_the_check_sees_a_backend_named():
   """What the check below finds: the ways the library named backends before."""
   before = (
       '"""Docstrings and comments may speak of Triton and TPUs."""\n'
-      "from pallas_loop._src import backend_triton  # the import\n"
-      "from pallas_loop._src.backend_mosaic_tpu import SMALLEST_TILE\n"
+      "from pallas_loop._src.kernels import backend_triton  # the import\n"
+      "from pallas_loop._src.kernels.backend_mosaic_tpu import SMALLEST_TILE\n"
       "INDEXED_BACKENDS = ('triton', 'interpret')\n"
       "select = dict(cuda=1, tpu=2, default=0) or {'rocm': 1}\n"
       "rules = m.MOSAIC_TPU.configure\n")
   assert sorted({f.split(":")[0] for f in _namings(before)}) == [
       "line 2", "line 3", "line 4", "line 5", "line 6"], _namings(before)
-  assert _namings((_SRC / "_src" / "backends.py").read_text())  # the list names them
+  assert _namings((_SRC / "_src" / "kernels" / "backends.py").read_text())  # the list names them
 
 
 def test_no_module_outside_a_backends_own_names_one():

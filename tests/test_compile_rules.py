@@ -22,17 +22,17 @@ from pallas_loop import _reference as reference
 from benchmarks import attention
 from benchmarks import blocks
 from benchmarks import compile_check
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import backend_interpret
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.kernels import backend_interpret
 from pallas_loop._src import dispatch
 from pallas_loop._src import notices
-from pallas_loop._src import footprint as footprint_lib
-from pallas_loop._src import jaxpr_eval
-from pallas_loop._src import kernel_tpu_groups
-from pallas_loop._src import backend_mosaic_tpu
-from pallas_loop._src import backend_triton
-from pallas_loop._src import xla_backward
-from pallas_loop._src import xla_forward
+from pallas_loop._src.step import footprint as footprint_lib
+from pallas_loop._src.step import jaxpr_eval
+from pallas_loop._src.kernels import kernel_tpu_groups
+from pallas_loop._src.kernels import backend_mosaic_tpu
+from pallas_loop._src.kernels import backend_triton
+from pallas_loop._src.xla import xla_backward
+from pallas_loop._src.xla import xla_forward
 from tests import cases
 from tests import lowering
 from tests import oracle

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import blocks
 import pallas_loop
-from pallas_loop._src import row_checks
+from pallas_loop._src.step import row_checks
 from tests import cases
 
 STEP = lambda params, h, x: h * 0.5

@@ -1,4 +1,4 @@
-"""tanh and logistic in the GPU kernels (`pallas_loop/_src/fast_math.py`).
+"""tanh and logistic in the GPU kernels (`pallas_loop/_src/step/fast_math.py`).
 
 The compiled forms (PTX inline assembly) only run on a GPU; here: the
 policy (which calls get the hardware tanh), the formulas as interpret mode
@@ -17,10 +17,10 @@ import pytest
 import pallas_loop
 from benchmarks import blocks
 from pallas_loop import _reference as reference
-from pallas_loop._src import backend_mosaic_tpu
-from pallas_loop._src import backend_triton
-from pallas_loop._src import fast_math
-from pallas_loop._src import jaxpr_eval
+from pallas_loop._src.kernels import backend_mosaic_tpu
+from pallas_loop._src.kernels import backend_triton
+from pallas_loop._src.step import fast_math
+from pallas_loop._src.step import jaxpr_eval
 from tests import lowering
 
 BF16, F32 = jnp.bfloat16, jnp.float32

@@ -1,4 +1,4 @@
-"""Loop-invariant hoisting (`iterate(hoist=True)`, `_src/hoist.py`).
+"""Loop-invariant hoisting (`iterate(hoist=True)`, `_src/step/hoist.py`).
 
 Hoisting moves the step's state-independent work (e.g. `x @ U`) out of the
 loop; results must match the reference and `hoist=False`, for every gradient
@@ -24,8 +24,8 @@ import pallas_loop
 from pallas_loop import _reference as reference
 from pallas_loop import random as plrandom
 from pallas_loop._src import dispatch
-from pallas_loop._src import hoist
-from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src.step import hoist
+from pallas_loop._src.step import step_fn as step_fn_lib
 from benchmarks import blocks
 from tests import cases
 from tests import oracle

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import kernel_toolkit as toolkit
-from pallas_loop._src import schedule
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.kernels import kernel_toolkit as toolkit
+from pallas_loop._src.kernels import schedule
 from pallas_loop._src import tiling
 
 # 10 rows in tiles of 4: 3 tiles, the last with 2 padding rows.

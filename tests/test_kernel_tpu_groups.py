@@ -16,11 +16,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 import pallas_loop
 from pallas_loop import _reference as reference
-from pallas_loop._src import backend_mosaic_tpu
+from pallas_loop._src.kernels import backend_mosaic_tpu
 from pallas_loop._src import dispatch
-from pallas_loop._src import kernel_forward
-from pallas_loop._src import kernel_tpu_groups
-from pallas_loop._src import step_fn
+from pallas_loop._src.kernels import kernel_forward
+from pallas_loop._src.kernels import kernel_tpu_groups
+from pallas_loop._src.step import step_fn
 from pallas_loop._src import tiling
 from benchmarks import blocks
 from tests import cases

@@ -16,9 +16,9 @@ import pytest
 import pallas_loop
 from benchmarks import blocks
 from benchmarks import cases as bench_cases
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import kernel_backward
-from pallas_loop._src import kernel_forward
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.kernels import kernel_backward
+from pallas_loop._src.kernels import kernel_forward
 from pallas_loop._src import notices
 from tests import cases
 from tests import lowering

@@ -15,7 +15,7 @@ import pallas_loop
 from pallas_loop import deq
 from pallas_loop import testing
 from pallas_loop import tuning
-from pallas_loop._src import deq_solve
+from pallas_loop._src.deq import deq_solve
 
 STEP = lambda p, h, x: h * 0.5
 H0 = jnp.ones((4, 8))

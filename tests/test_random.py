@@ -630,7 +630,7 @@ def test_draws_that_do_not_run_over_rows_pass():
   shared = lambda p, h, x: h * 0.5 + 0.01 * jax.random.normal(_SHARED, h.shape[1:])
   out = pallas_loop.iterate(shared, None, jnp.ones((8, 8)), max_iters=2)   # D == B
   assert out.shape == (8, 8)
-  from pallas_loop._src import row_checks
+  from pallas_loop._src.step import row_checks
   step = jax.vmap(lambda h, k: h + jax.random.normal(jax.random.wrap_key_data(k), h.shape))
   closed = jax.make_jaxpr(lambda p, h, x, k: step(h, k))(None, jnp.ones((16, 8)), None,
                                                          jnp.ones((16, 2), jnp.uint32))

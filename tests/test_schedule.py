@@ -11,10 +11,10 @@ import pytest
 
 import pallas_loop
 from pallas_loop import _reference as reference
-from pallas_loop._src import backend_interpret
-from pallas_loop._src import backend_mosaic_tpu
-from pallas_loop._src import backend_triton
-from pallas_loop._src import schedule
+from pallas_loop._src.kernels import backend_interpret
+from pallas_loop._src.kernels import backend_mosaic_tpu
+from pallas_loop._src.kernels import backend_triton
+from pallas_loop._src.kernels import schedule
 from pallas_loop._src import tiling
 from benchmarks import blocks
 from tests import lowering

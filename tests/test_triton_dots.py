@@ -21,7 +21,7 @@ import pytest
 
 import pallas_loop
 from pallas_loop import halting
-from pallas_loop._src import backend_triton
+from pallas_loop._src.kernels import backend_triton
 from pallas_loop._src import notices
 from tests import lowering
 

@@ -12,10 +12,10 @@ from benchmarks import blocks
 from benchmarks import cases
 from benchmarks import harness
 import pallas_loop
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import backend_interpret
-from pallas_loop._src import backend_mosaic_tpu
-from pallas_loop._src import backend_triton
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.kernels import backend_interpret
+from pallas_loop._src.kernels import backend_mosaic_tpu
+from pallas_loop._src.kernels import backend_triton
 from pallas_loop import tuning
 
 

@@ -1,4 +1,4 @@
-"""The bucketed XLA loop (`pallas_loop/_src/xla_forward.py`) against `reference.iterate`.
+"""The bucketed XLA loop (`pallas_loop/_src/xla/xla_forward.py`) against `reference.iterate`.
 
 The XLA implementation runs the step only on the running rows (a prefix of
 rows ordered by count, padded to a ladder size, compacted under halting), so
@@ -18,8 +18,8 @@ import pallas_loop
 from pallas_loop import _reference as reference
 from benchmarks import blocks
 from benchmarks import harness
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import xla_forward
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.xla import xla_forward
 from tests import oracle
 
 T = 12

@@ -25,15 +25,15 @@ from jax.extend import core as jex_core
 from jax.interpreters import batching
 from jax.interpreters import mlir
 
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import backend_interpret
-from pallas_loop._src import backends
-from pallas_loop._src import kernel_backward
-from pallas_loop._src import kernel_forward
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.kernels import backend_interpret
+from pallas_loop._src.kernels import backends
+from pallas_loop._src.kernels import kernel_backward
+from pallas_loop._src.kernels import kernel_forward
 from pallas_loop._src import notices
-from pallas_loop._src import step_fn as step_fn_lib
-from pallas_loop._src import xla_backward
-from pallas_loop._src import xla_forward
+from pallas_loop._src.step import step_fn as step_fn_lib
+from pallas_loop._src.xla import xla_backward
+from pallas_loop._src.xla import xla_forward
 from pallas_loop._src.operands import Gradients, LoopOperands, LoopOutputs
 from pallas_loop._src.options import Options
 from pallas_loop._src.operands import WindowOperands

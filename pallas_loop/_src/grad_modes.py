@@ -23,7 +23,7 @@ import numpy as np
 from pallas_loop._src import implicit_adjoint
 from pallas_loop._src import loop as loop_lib
 from pallas_loop._src import loop_reverse
-from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src.step import step_fn as step_fn_lib
 from pallas_loop._src import validation
 from pallas_loop._src.operands import Gradients, LoopOperands, LoopOutputs, WindowOperands
 

@@ -18,15 +18,15 @@ import jax.numpy as jnp
 
 from pallas_loop._src import dispatch
 from pallas_loop._src import grad_modes
-from pallas_loop._src import hoist as hoist_lib
+from pallas_loop._src.step import hoist as hoist_lib
 from pallas_loop._src import info as info_lib
 from pallas_loop._src import jax_versions
 from pallas_loop._src import loop_reverse
 from pallas_loop._src import options as options_lib
 from pallas_loop import random as random_lib
-from pallas_loop._src import row_checks
+from pallas_loop._src.step import row_checks
 from pallas_loop._src import sharding
-from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src.step import step_fn as step_fn_lib
 from pallas_loop._src import validation
 from pallas_loop._src.operands import LoopOperands, LoopOutputs
 from pallas_loop._src.options import Options

@@ -36,7 +36,7 @@ from jax import lax
 from jax import tree_util
 import jax.numpy as jnp
 
-from pallas_loop._src import jaxpr_eval
+from pallas_loop._src.step import jaxpr_eval
 from pallas_loop._src import loop as loop_lib
 
 _T = TypeVar("_T")

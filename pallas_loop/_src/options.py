@@ -13,8 +13,8 @@ import dataclasses
 import operator
 from typing import Any, Mapping
 
-from pallas_loop._src import backend_interpret
-from pallas_loop._src.schedule import SCHEDULES
+from pallas_loop._src.kernels import backend_interpret
+from pallas_loop._src.kernels.schedule import SCHEDULES
 
 IMPLEMENTATIONS = (None, "pallas", "xla")
 

@@ -23,9 +23,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jex_core
 import numpy as np
 
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import footprint as footprint_lib
-from pallas_loop._src import jaxpr_eval
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.step import footprint as footprint_lib
+from pallas_loop._src.step import jaxpr_eval
 
 
 # How the Mosaic kernels evaluate the step (`jaxpr_eval.Rules`): dots
@@ -260,7 +260,7 @@ def _narrow_scalar_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
 def _plan_forward(*args, **kwargs):
   """The TPU's own forward kernel (`kernel_tpu_groups.plan`), imported here
   when first planned: that module builds on this one's rules."""
-  from pallas_loop._src import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
+  from pallas_loop._src.kernels import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
   return kernel_tpu_groups.plan(*args, **kwargs)
 
 

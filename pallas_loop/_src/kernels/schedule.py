@@ -62,7 +62,7 @@ def resolve(backend: Any, schedule: str | None) -> str:
 
   Example:
     >>> import dataclasses
-    >>> from pallas_loop._src import backend
+    >>> from pallas_loop._src.kernels import backend
     >>> side_by_side = dataclasses.replace(backend.INTERPRET, indexed_rows=True,
     ...                                    persistent_programs=lambda config, tiles: 2)
     >>> resolve(side_by_side, None), resolve(side_by_side, "persistent")

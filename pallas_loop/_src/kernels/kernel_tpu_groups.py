@@ -50,14 +50,14 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import backend_mosaic_tpu
-from pallas_loop._src import footprint as footprint_lib
-from pallas_loop._src import kernel_forward
-from pallas_loop._src import kernel_toolkit as toolkit
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.kernels import backend_mosaic_tpu
+from pallas_loop._src.step import footprint as footprint_lib
+from pallas_loop._src.kernels import kernel_forward
+from pallas_loop._src.kernels import kernel_toolkit as toolkit
 from pallas_loop._src import loop as loop_lib
-from pallas_loop._src import schedule as schedule_lib
-from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src.kernels import schedule as schedule_lib
+from pallas_loop._src.step import step_fn as step_fn_lib
 from pallas_loop._src import tiling
 from pallas_loop._src.operands import LoopOperands, LoopOutputs
 

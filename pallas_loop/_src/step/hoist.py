@@ -52,7 +52,7 @@ from jax._src import source_info_util
 from jax.extend import core as jex_core
 import numpy as np
 
-from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src.step import step_fn as step_fn_lib
 
 logger = logging.getLogger("pallas_loop")
 
@@ -275,7 +275,8 @@ def split(body: Callable[..., Any], params: Any, h0: Any,
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from pallas_loop._src import hoist, step_fn
+    >>> from pallas_loop._src.step import hoist
+    >>> from pallas_loop._src.step import step_fn
     >>> step = lambda u, h, x: jnp.tanh(h + x @ u)
     >>> body = step_fn.with_halt(step, None)
     >>> hoisted, decision = hoist.split(body, jnp.eye(4), jnp.ones((8, 4)), jnp.ones((8, 4)))

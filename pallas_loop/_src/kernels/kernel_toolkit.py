@@ -42,9 +42,9 @@ from jax.experimental import pallas as pl
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import jaxpr_eval
-from pallas_loop._src import schedule as schedule_lib
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.step import jaxpr_eval
+from pallas_loop._src.kernels import schedule as schedule_lib
 
 
 # --- Shared operands: at least 2-D, loaded once or read on use --------------

@@ -29,14 +29,14 @@ from jax import tree_util
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import footprint as footprint_lib
-from pallas_loop._src import jaxpr_eval
-from pallas_loop._src import kernel_forward as kernel
-from pallas_loop._src import kernel_toolkit as toolkit
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.step import footprint as footprint_lib
+from pallas_loop._src.step import jaxpr_eval
+from pallas_loop._src.kernels import kernel_forward as kernel
+from pallas_loop._src.kernels import kernel_toolkit as toolkit
 from pallas_loop._src import loop_reverse
-from pallas_loop._src import schedule as schedule_lib
-from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src.kernels import schedule as schedule_lib
+from pallas_loop._src.step import step_fn as step_fn_lib
 from pallas_loop._src import tiling
 from pallas_loop._src.operands import Gradients, WindowOperands
 

@@ -19,7 +19,7 @@ from jax import tree_util
 import jax.numpy as jnp
 
 from pallas_loop._src import loop_reverse
-from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src.step import step_fn as step_fn_lib
 from pallas_loop._src import tiling
 from pallas_loop._src.operands import Gradients, WindowOperands
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 from jax.extend import core as jex_core
 
-from pallas_loop._src import jaxpr_eval
+from pallas_loop._src.step import jaxpr_eval
 
 # Higher-order primitives whose body is an inlined call: operands map 1:1 to
 # the body's inputs, so provenance is followed through them.

@@ -24,7 +24,7 @@ import jax
 from jax import export
 from jax import tree_util
 
-from pallas_loop._src import backends
+from pallas_loop._src.kernels import backends
 
 try:  # public from some JAX version on; private before
   from jax.sharding import AbstractDevice

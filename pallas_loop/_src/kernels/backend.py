@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 from jax.extend import core as jex_core
 
-from pallas_loop._src import jaxpr_eval
+from pallas_loop._src.step import jaxpr_eval
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,10 @@ import warnings
 
 from jax.extend import core as jex_core
 
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import footprint as footprint_lib
-from pallas_loop._src import jaxpr_eval
-from pallas_loop._src import schedule as schedule_lib
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.step import footprint as footprint_lib
+from pallas_loop._src.step import jaxpr_eval
+from pallas_loop._src.kernels import schedule as schedule_lib
 
 
 # How the Triton kernels evaluate the step (`jaxpr_eval.Rules`): the

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 import numpy as np
 
-from pallas_loop._src import fast_math
+from pallas_loop._src.step import fast_math
 
 _INLINED = ("jit", "pjit", "closed_call", "core_call")
 

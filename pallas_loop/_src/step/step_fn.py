@@ -22,8 +22,8 @@ from jax import tree_util
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_loop._src import jaxpr_eval
-from pallas_loop._src import row_checks
+from pallas_loop._src.step import jaxpr_eval
+from pallas_loop._src.step import row_checks
 
 
 def avals(tree: Any, rows: int | None = None) -> Any:

@@ -42,12 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_loop import random as random_lib
-from pallas_loop._src import deq_solvers
+from pallas_loop._src.deq import deq_solvers
 from pallas_loop._src import implicit_adjoint
 from pallas_loop._src import keywords
 from pallas_loop._src import notices
 from pallas_loop._src import options as options_lib
-from pallas_loop._src import step_fn as step_fn_lib
+from pallas_loop._src.step import step_fn as step_fn_lib
 from pallas_loop._src.iterate import iterate
 from pallas_loop._src.options import Options
 from pallas_loop.halting import row_rms

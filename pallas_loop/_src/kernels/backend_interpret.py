@@ -33,9 +33,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import backends
-from pallas_loop._src import schedule as schedule_lib
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.kernels import backends
+from pallas_loop._src.kernels import schedule as schedule_lib
 
 # The interpret backend of each target, by its `Backend.device_platform`
 # (the `interpret=` string); made when first asked for (`for_target`).

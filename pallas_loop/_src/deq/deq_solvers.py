@@ -418,7 +418,7 @@ def as_solver(solver: Any, name: str = "solver") -> Solver:
       (e.g. the class `deq.Anderson` itself, not an instance).
 
   Example:
-    >>> from pallas_loop._src.deq_solvers import as_solver
+    >>> from pallas_loop._src.deq.deq_solvers import as_solver
     >>> as_solver("Anderson")
     Anderson(m=5, beta=1.0, ridge=1e-08, safeguard=10.0, restart=None, differentiate_weights=False)
   """

@@ -141,7 +141,9 @@ def _where(eqn) -> str:
   return f" at {text}" if text else ""
 
 
-_LIBRARY_DIRS = ("site-packages", "dist-packages", os.path.dirname(os.path.dirname(__file__)))
+# The package's own folder (pallas_loop/), wherever this module sits in it.
+_LIBRARY_DIRS = ("site-packages", "dist-packages",
+                 os.path.dirname(os.path.abspath(__file__)).rsplit(os.sep + "_src", 1)[0])
 
 
 def _user_where(eqn) -> str:
@@ -759,7 +761,7 @@ def analyze(closed: Any, in_rows: Sequence[Any], batch: int, *,
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from pallas_loop._src import row_checks
+    >>> from pallas_loop._src.step import row_checks
     >>> closed = jax.make_jaxpr(lambda h: jnp.tanh(h) * 2)(jnp.ones((4, 3)))
     >>> row_checks.analyze(closed, [0], batch=4).outputs
     [Row(axis=0, inner=1)]
@@ -824,13 +826,13 @@ def check_step_jaxpr(closed: Any, params: Any, h0: Any, x: Any) -> Analysis:
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from pallas_loop._src import row_checks
+    >>> from pallas_loop._src.step import row_checks
     >>> h0 = jnp.ones((8, 3))
     >>> closed = jax.make_jaxpr(lambda p, h: h - h.mean(0))(None, h0)
     >>> row_checks.check_step_jaxpr(closed, None, h0, None)
     Traceback (most recent call last):
     ...
-    pallas_loop._src.row_checks.RowMixingError: step reduces over the row axis (axis 0 of float32[8, 3]) ...
+    pallas_loop._src.step.row_checks.RowMixingError: step reduces over the row axis (axis 0 of float32[8, 3]) ...
   """
   h_leaves = tree_util.tree_leaves(h0)
   batch = int(np.shape(h_leaves[0])[0])
@@ -899,7 +901,7 @@ def explain_trace_error(error: Exception, h0: Any, *, keyed: bool) -> Exception 
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from pallas_loop._src import row_checks
+    >>> from pallas_loop._src.step import row_checks
     >>> e = ValueError("normal accepts a single key, but was given a key array of shape (8, 2)")
     >>> print(str(row_checks.explain_trace_error(e, jnp.ones((8, 3)), keyed=True)).splitlines()[0])
     step called jax.random on its per-row keys (uint32[rows, 2], one key per row): draw with pallas_loop.random instead, e.g. pallas_loop.random.normal(key, h.shape) or pallas_loop.random.dropout(key, h, rate).

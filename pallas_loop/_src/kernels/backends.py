@@ -13,9 +13,9 @@ backend listed, the interpret backend that applies its rules on the CPU.
 
 from __future__ import annotations
 
-from pallas_loop._src import backend as backend_lib
-from pallas_loop._src import backend_mosaic_tpu
-from pallas_loop._src import backend_triton
+from pallas_loop._src.kernels import backend as backend_lib
+from pallas_loop._src.kernels import backend_mosaic_tpu
+from pallas_loop._src.kernels import backend_triton
 
 # In the order messages list them ("a GPU (Triton) or TPU (Mosaic) platform").
 BUILT_IN: tuple[backend_lib.Backend, ...] = (backend_triton.TRITON, backend_mosaic_tpu.MOSAIC_TPU)

@@ -582,8 +582,9 @@ def _noise_as_state(p, h, x):
   return jax.random.uniform(_SHARED, h.shape)
 
 
+# The bits are as wide as the default float (uint64 under jax_enable_x64).
 _SHARED_KEY_MESSAGE = (r"^step draws random bits over the row axis from a key shared by every "
-                       r"row \(random_bits at .*test_random.py:\d+.*uint32\[16, 8\]; (combined "
+                       r"row \(random_bits at .*test_random.py:\d+.*uint(32|64)\[16, 8\]; (combined "
                        r"with the state by (select_n|add) at .*test_random.py:\d+.*|returned as a "
                        r"state leaf)\): draw from per-row keys instead: pass key= to iterate "
                        r"\(or to deq.fixed_point\) and draw with pallas_loop.random")
@@ -611,7 +612,9 @@ def test_flax_dropout_with_a_module_rng_is_refused():
     def __call__(self, h, x):
       return nn.Dropout(0.1, deterministic=False)(jnp.tanh(nn.Dense(8)(h) + x))
 
-  block, h0, x = Block(), jnp.zeros((16, 8)), jnp.ones((16, 8))
+  # float32 like Flax's parameters, also under jax_enable_x64 (the suite's strict
+  # promotion refuses a float64 input to a float32 Dense).
+  block, h0, x = Block(), jnp.zeros((16, 8), jnp.float32), jnp.ones((16, 8), jnp.float32)
   params = block.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, h0, x)
   rng = jax.random.key(2)
   step = lambda p, h, x_: block.apply(p, h, x_, rngs={"dropout": rng})

@@ -66,7 +66,9 @@ from typing import Any
 import warnings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-H200_TARGET = os.path.join(REPO, "pallas_loop", "_src", "targets", "h200.txtpb")
+# The same file as `deviceless.H200_TARGET` (tests/test_layout.py checks),
+# named without importing JAX in this parent process.
+H200_TARGET = os.path.join(REPO, "pallas_loop", "_src", "kernels", "targets", "h200.txtpb")
 
 TARGETS = {
     # name: (platform, topology)

@@ -6,9 +6,12 @@ each other; nothing but the top of `_src/` and `deq/` imports `deq/`."""
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 
 import pallas_loop
+from benchmarks import compile_check
+from pallas_loop._src.kernels import deviceless
 
 _SRC = pathlib.Path(pallas_loop.__file__).parent / "_src"
 FOLDERS = ("step", "kernels", "xla", "deq")
@@ -56,3 +59,7 @@ def test_the_check_sees_a_folder_imported(tmp_path):
                     "import pallas_loop._src.xla.xla_forward\n"
                     "from pallas_loop._src import tiling\n")
   assert _imported_folders(module) == {"kernels", "xla"}
+
+
+def test_the_compile_check_reads_the_library_s_gpu_target():
+  assert os.path.samefile(compile_check.H200_TARGET, deviceless.H200_TARGET)

@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 # from JAX 0.11; the same string before).
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
-_H200 = os.path.join(os.path.dirname(__file__), "targets", "h200.txtpb")
+H200_TARGET = os.path.join(os.path.dirname(__file__), "targets", "h200.txtpb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +100,7 @@ def compiler(target: Target) -> tuple[Any, str]:
       return None, ("the JAX CUDA plugin is not installed (pip install jax-cuda13-plugin "
                     "jax-cuda13-pjrt nvidia-cuda-nvcc)")
     try:
-      with open(_H200) as f:
+      with open(H200_TARGET) as f:
         topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                             target_config=f.read())
     except Exception as e:  # pylint: disable=broad-except

@@ -1,7 +1,7 @@
 """Measure the kernel's tile height on the machine at hand.
 
 The default `block_rows` is a heuristic per backend (`Backend.default_block_rows`
-in `_src/backend_*.py`, `_src/backend.rows_for_tiles`): enough sorted tiles that
+in `_src/kernels/backend_*.py`, `_src/kernels/backend.rows_for_tiles`): enough sorted tiles that
 rows of similar counts share a tile. What is fastest also depends on the
 block, its widths and the accelerator, so `tune_block_rows` times the
 candidates on the caller's own workload, says which won and returns the

@@ -250,9 +250,7 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
         narrow = _narrow_result(eqn, rules)
         if narrow is not None:
           params["preferred_element_type"] = np.dtype(np.float32)
-      bind = eqn.primitive.get_bind_params(params)
-      # (subfuns, params) before JAX 0.11, params from 0.11 on.
-      subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
+      subfuns, params = _bind_parts(eqn, params)
       folds = _folds(eqn, invals)
       if folds:
         outs = _computed_apart(functools.partial(eqn.primitive.bind, *subfuns, *invals,
@@ -308,6 +306,13 @@ def _computed_apart(fn: Callable[[], Any]) -> Any:
     return pool.submit(fn).result()
 
 
+def _bind_parts(eqn, params: dict) -> tuple[tuple, dict]:
+  """(subfuns, params) to bind `eqn`'s primitive with `params`:
+  `get_bind_params` returns both before JAX 0.11, the params alone from 0.11 on."""
+  bind = eqn.primitive.get_bind_params(params)
+  return bind if isinstance(bind, tuple) else ((), bind)
+
+
 # Shape operations whose bool operand Mosaic may not lay out (`_bool_via_int32`).
 _SHAPE_PRIMITIVES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims"})
 
@@ -320,8 +325,7 @@ def _is_bool_shape_op(eqn) -> bool:
 def _bool_via_int32(eqn, operand: jax.Array) -> jax.Array:
   """The shape operation `eqn` on a bool array, done on int32 (one 32-bit
   word a flag: a shape every Mosaic version casts) and compared back."""
-  bind = eqn.primitive.get_bind_params(eqn.params)
-  subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
+  subfuns, params = _bind_parts(eqn, eqn.params)
   words = lax.select(operand, lax.full(operand.shape, 1, np.int32),
                      lax.full(operand.shape, 0, np.int32))
   with eqn.ctx.manager:

@@ -81,6 +81,7 @@ WIDTHS = (64, 128, 256, 512)
 DTYPES = ("bfloat16", "float32")
 BATCH = 4096
 MAX_ITERS = 16
+DEQ_BATCH = 64  # the "deq" block's rows: one chunk, under a 1-D leaf's 128 lanes
 KERNELS = ("pallas_loop_iterate_fwd", "pallas_loop_iterate_bwd")
 # Multi-head attention over each row's tokens as libraries write it
 # (`benchmarks/attention.py`): block name -> style.
@@ -205,7 +206,9 @@ def matrix(full: bool, targets) -> list[Case]:
                 Case(target, "lstm", 128, "bfloat16", "forward", block_rows=32),
                 # Per-step outputs: the forward writes them, the backward reads
                 # their cotangents, at the trip's slot of a [S, TB, ...] block.
-                Case(target, "tanh_rnn", 128, "bfloat16", "full", outputs=True)]
+                Case(target, "tanh_rnn", 128, "bfloat16", "full", outputs=True),
+                # A small DEQ solve: the solver's per-row scalars in one short chunk.
+                Case(target, "deq", 32, "float32", "full")]
   return cases
 
 
@@ -276,6 +279,8 @@ def _function(case: Case, implementation: str | None = None):
   import pallas_loop  # pylint: disable=g-import-not-at-top
   from benchmarks import blocks  # pylint: disable=g-import-not-at-top
 
+  if case.block == "deq":
+    return _deq_function(case)
   kw: dict[str, Any] = dict(max_iters=MAX_ITERS, grad=_grad_mode(case.mode))
   if case.block in ATTENTION:
     from benchmarks import attention  # pylint: disable=g-import-not-at-top
@@ -329,6 +334,40 @@ def _function(case: Case, implementation: str | None = None):
     return sum(jnp.sum(jnp.tanh(a.astype(jnp.float32))) for a in jax.tree.leaves(out))
 
   return jax.value_and_grad(loss, argnums=(0, 1, 2)), (params, h0, x, n)
+
+
+def _deq_function(case: Case):
+  """A DEQ layer as `examples/deq_training.py` writes it, at `DEQ_BATCH` rows:
+  `deq.fixed_point` with its default solver, forward or through the default
+  (implicit) adjoint. The solver's per-row scalars are 1-D state leaves,
+  and at a small batch one chunk of under 128 rows is their whole lane tile
+  (a traced chunk start there failed Mosaic's alignment proof on the TPU)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import pallas_loop  # pylint: disable=g-import-not-at-top
+  from pallas_loop import deq  # pylint: disable=g-import-not-at-top
+
+  dtype, d = jnp.dtype(case.dtype), case.d
+  k = jax.random.split(jax.random.key(0), 3)
+  params = {"w": (jax.random.normal(k[0], (d, d)) / np.sqrt(d)).astype(dtype),
+            "u": (jax.random.normal(k[1], (d // 2, d)) / np.sqrt(d // 2)).astype(dtype),
+            "b": jnp.zeros((d,), dtype)}
+  x = jax.random.normal(k[2], (DEQ_BATCH, d // 2)).astype(dtype)
+  layer = lambda p, h, x_: jnp.tanh(h @ p["w"] + x_ @ p["u"] + p["b"])
+  how: dict[str, Any] = dict(implementation=case.implementation)
+  if case.implementation == "pallas":
+    how["interpret"] = False
+
+  def forward(p, x_):
+    return deq.fixed_point(layer, p, jnp.zeros((DEQ_BATCH, d), dtype), x_, tol=1e-5,
+                           max_iters=MAX_ITERS, on_failure="ignore",
+                           options=pallas_loop.Options(**how))
+
+  if case.mode == "forward":
+    return forward, (params, x)
+  loss = lambda p, x_: jnp.sum(jnp.tanh(forward(p, x_).astype(jnp.float32)))
+  return jax.value_and_grad(loss, argnums=(0, 1)), (params, x)
 
 
 def _control(case: Case):

@@ -365,6 +365,19 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
     for c in range(plan.group_rows // chunk):
       alive_ref[c] = 1
 
+  one_chunk = plan.group_rows == chunk
+
+  def chunk_at(start):
+    """The rows of the chunk starting at row `start` (a multiple of C).
+
+    With one chunk a group the start is always 0 and is written so: a chunk
+    under 128 rows (a small batch) is no multiple of a 1-D leaf's 128-lane
+    tile, and Mosaic cannot prove a traced start aligned (E2003 on the DEQ
+    solvers' per-row scalars, libtpu 0.0.42.1)."""
+    if one_chunk:
+      return pl.ds(0, chunk)
+    return pl.ds(pl.multiple_of(start, chunk), chunk)
+
   def evaluate(t, rows):
     h = tree_util.tree_map(lambda ref: ref[rows], outs.h)
     x = tree_util.tree_map(lambda ref: ref[rows], ins.x)
@@ -387,7 +400,7 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
     full = n // chunk
 
     def body(c, carry):
-      rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+      rows = chunk_at(c * chunk)
       store(rows, evaluate(t, rows)[1])
       return carry
 
@@ -395,7 +408,7 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
 
     @pl.when(n > full * chunk)
     def _():
-      rows = pl.ds(pl.multiple_of(full * chunk, chunk), chunk)
+      rows = chunk_at(full * chunk)
       h, h_new, _ = evaluate(t, rows)
       store(rows, loop_lib.select_rows(below(n - full * chunk), h_new, h))
 
@@ -409,7 +422,7 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
 
     def body(c, alive_next):
       start = c * chunk
-      rows = pl.ds(pl.multiple_of(start, chunk), chunk)
+      rows = chunk_at(start)
 
       @pl.when(alive_ref[c] > 0)
       def _():

@@ -1,0 +1,138 @@
+"""Where the TPU forward's time goes: the loop, the row permutation around it.
+
+The group kernel runs rows in count order; with ragged counts XLA sorts the
+rows into that order before the kernel and back after it. This script times,
+for the tanh RNN (D=128, bfloat16) inside one `jit` as `gpu_check` does
+(`device_timing.chained_seconds`, the floor left out), per application:
+
+  masked_scan   the baseline (every row pays every step)
+  whole         `iterate`'s forward, rows in a random order
+  sorted        the same rows already in count order: the permutation is
+                skipped (a branch on the device), so this is the loop and
+                the kernel's own reads and writes
+  permutation   the permutation alone: `tiling.in_tiles` with the group
+                kernel's flags around a loop that does nothing
+  sorted G=.., C=..  the sorted forward with the group kernel's groups per
+                batch (`GROUPS`) or chunk (`LARGEST_CHUNK`) changed
+
+    python -m benchmarks.tpu_split [--out split.jsonl] [--batches 32768,4096]
+
+Each line: case, variant, ms, ns per useful row-step, chain, floor_ms. With
+sorted counts every application sees the same counts; they pass through a
+`minimum` with the loop index, so nothing about them is loop-invariant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import blocks
+from benchmarks import cases
+from benchmarks import device_timing
+from benchmarks import harness
+from benchmarks import tpu_design
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=None)
+  parser.add_argument("--batches", default="32768,4096")
+  parser.add_argument("--counts", default="uniform,recurrent_depth,constant")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--variants", action="store_true",
+                      help="also the sorted forward with other groups and chunks")
+  args = parser.parse_args(argv)
+  out = open(args.out, "a") if args.out else None
+
+  def write(rec):
+    line = json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__, **rec})
+    print(line, flush=True)
+    if out:
+      out.write(line + "\n")
+      out.flush()
+
+  import pallas_loop  # pylint: disable=g-import-not-at-top
+  from pallas_loop._src import tiling  # pylint: disable=g-import-not-at-top
+  from pallas_loop._src.kernels import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
+
+  for batch in (int(b) for b in args.batches.split(",")):
+    for dist in args.counts.split(","):
+      case = cases._case("tanh_rnn", batch, 128, dist, dtype="bfloat16")  # pylint: disable=protected-access
+      step, params, h0, x = blocks.make(case.block, batch, 128, jnp.bfloat16, jax.random.key(0))
+      counts = cases.count_distribution(dist, batch, case.max_iters, 0)
+      order = np.argsort(-counts, kind="stable")
+      sorted_counts = jnp.asarray(counts[order])
+      useful = int(counts.sum())
+      floor = device_timing.floor_seconds(h0, args.repeats)
+      masked = harness._make_fn(case, "masked_scan", step, {})  # pylint: disable=protected-access
+      pallas = lambda p, h, x_, k: pallas_loop.iterate(step, p, h, x_, iters=k,
+                                                       max_iters=case.max_iters)
+      inputs = {"x": x, "iters": jnp.asarray(counts), "ramp": jnp.arange(batch, dtype=jnp.int32)}
+
+      def sorted_iters(r):
+        # The sorted counts, not loop-invariant (ramp[0] differs per application, >= 0).
+        return jnp.minimum(sorted_counts, case.max_iters + r["ramp"][0])
+
+      def permutation(h, r):
+        run = lambda per_row, c: (per_row[0], None)
+        return tiling.in_tiles(run, (h, r["x"], None), r["iters"], rows=batch, sort=True,
+                               must_be_finite=False, skip_if_sorted=True, invert_by_sort=True,
+                               one_gather=True)[0]
+
+      variants = {
+          "masked_scan": lambda h, r: masked(params, h, r["x"], r["iters"]),
+          "whole": lambda h, r: pallas(params, h, r["x"], r["iters"]),
+          "sorted": lambda h, r: pallas(params, h, r["x"], sorted_iters(r)),
+          "permutation": permutation,
+      }
+      if args.variants and dist == "uniform":
+        # The sort that orders the rows: JAX's two-operand sort (the library's
+        # today) against one int32 key (count and row index packed).
+        iota = jnp.arange(batch, dtype=jnp.int32)
+        bits = int(np.ceil(np.log2(batch)))
+
+        def sort_pairs(h, r):
+          _, o = jax.lax.sort((-r["iters"], iota), num_keys=1)
+          return h + o[:, None].astype(h.dtype)
+
+        def sort_packed(h, r):
+          key = jax.lax.sort(((case.max_iters - r["iters"]) << bits) | iota)
+          return h + (key & ((1 << bits) - 1))[:, None].astype(h.dtype)
+
+        variants["sort pairs"] = sort_pairs
+        variants["sort packed"] = sort_packed
+      if args.variants:
+        for groups in (1, 2, 8):
+          variants[f"sorted G={groups}"] = (groups, None)
+        for chunk in (1024,):
+          variants[f"sorted C={chunk}"] = (None, chunk)
+      for name, fn in variants.items():
+        rec = {"what": "split", "case": case.label, "variant": name}
+        try:
+          values = {}
+          if isinstance(fn, tuple):
+            groups, chunk = fn
+            if groups:
+              values["GROUPS"] = groups
+            if chunk:
+              values["LARGEST_CHUNK"] = chunk
+            fn = (lambda h, r, values=values: tpu_design._traced_with(  # pylint: disable=protected-access
+                kernel_tpu_groups, values, pallas, params, h, r["x"], sorted_iters(r)))
+          secs, chain = device_timing.chained_seconds(fn, h0, inputs, repeats=args.repeats,
+                                                      floor=floor)
+          rec.update(ms=secs * 1e3, ns_per_row_step=secs * 1e9 / useful, chain=chain,
+                     floor_ms=floor * 1e3)
+        except Exception as e:  # noqa: BLE001 - a variant that fails is a finding
+          rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        write(rec)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -457,3 +457,23 @@ def test_step_index_error_speaks_of_the_index():
   assert message.startswith("step must accept `index` as a keyword argument: with "
                             "step_index=True, iterate calls step(params, h, x, index=t)"), message
   assert not re.search(r"\bkey\b", message), message
+
+
+def test_fallback_notice_and_refusal_outside_jit():
+  """A platform's branch run op by op (`jax.grad` of an unjitted function, as
+  examples/deq_training.py does) binds the notice and the refusal eagerly: the
+  notice warns and passes its values (and their tangents) through, the
+  refusal raises its message. Before, both had no evaluation rule (the DEQ
+  example failed on the TPU with "Evaluation rule for
+  'pallas_loop_fallback_notice' not implemented")."""
+  from pallas_loop._src import dispatch
+
+  message = "pallas_loop test: the notice outside jit"
+  with pytest.warns(UserWarning, match="the notice outside jit"):
+    out = dispatch.warn_when_lowered(message, {"a": jnp.arange(3.0)})
+  np.testing.assert_array_equal(out["a"], np.arange(3.0))
+  grad = jax.grad(lambda x: jnp.sum(dispatch.warn_when_lowered(message, x) ** 2))(jnp.ones(2))
+  np.testing.assert_array_equal(grad, 2.0 * np.ones(2))
+  with pytest.raises(ValueError, match="the refusal outside jit"):
+    dispatch.raise_when_lowered("pallas_loop test: the refusal outside jit", jnp.sin,
+                                jnp.ones(2))

@@ -22,6 +22,7 @@ import jax
 from jax import lax
 from jax import tree_util
 from jax.extend import core as jex_core
+from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.interpreters import mlir
 
@@ -58,6 +59,15 @@ def _unsupported_batching(args: Sequence[Any], dims: Sequence[int | None], *,
 
 
 mlir.register_lowering(_unsupported_p, _unsupported_lowering)
+
+
+def _unsupported_impl(*args: Any, out_avals: Any, message: str) -> NoReturn:
+  # Outside `jit` (a platform's branch run op by op) the value is needed now.
+  del args, out_avals
+  raise ValueError(message)
+
+
+_unsupported_p.def_impl(_unsupported_impl)
 batching.primitive_batchers[_unsupported_p] = _unsupported_batching
 
 
@@ -83,6 +93,22 @@ def _notice_lowering(ctx: Any, *args: Any, message: str) -> list[Any]:
 
 
 mlir.register_lowering(_notice_p, _notice_lowering)
+
+
+def _notice_impl(*args: Any, message: str) -> list[Any]:
+  # Outside `jit` (`jax.grad` of an unjitted function runs a platform's
+  # branch op by op): the path runs now, so the notice is due now.
+  notices.warn_once(message)
+  return list(args)
+
+
+def _notice_jvp(primals: Sequence[Any], tangents: Sequence[Any], *,
+                message: str) -> tuple[list[Any], list[Any]]:
+  return _notice_p.bind(*primals, message=message), list(tangents)
+
+
+_notice_p.def_impl(_notice_impl)
+ad.primitive_jvps[_notice_p] = _notice_jvp
 batching.primitive_batchers[_notice_p] = (
     lambda args, dims, *, message: (_notice_p.bind(*args, message=message), dims))
 

@@ -202,8 +202,7 @@ def in_tiles(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
       row the same count, say) are not moved: a branch on the device runs
       the gathers only when the counts are out of order.
     invert_by_sort: `inverse_permutation(by_sort=True)`.
-    one_gather: the rows travel in one gather each way (`take_rows(as_one=True)`),
-      and the sorted counts come from the sort itself.
+    one_gather: the rows travel in one gather each way (`take_rows(as_one=True)`).
 
   Returns:
     (per_row_out cut to B rows in the caller's order, other).
@@ -217,12 +216,9 @@ def in_tiles(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
   batch = counts.shape[0]
 
   def ordered(per_row, counts):
-    if one_gather:
-      counts, order = sorted_descending(counts)
-      return take_rows(per_row, order, as_one=True), counts, order
-    order = descending_order(counts)
-    per_row, counts = take_rows((per_row, counts), order)
-    return per_row, counts, order
+    # One sort yields the order and the sorted counts (no gather of the counts).
+    counts, order = sorted_descending(counts)
+    return take_rows(per_row, order, as_one=one_gather), counts, order
 
   if sort and skip_if_sorted and batch > 1:
     in_order = jnp.all(counts[:-1] >= counts[1:])

@@ -198,3 +198,19 @@ def test_default_chunk_rows():
   assert kernel_tpu_groups.default_chunk_rows(4096) == 2048
   assert kernel_tpu_groups.default_chunk_rows(1000) == 256
   assert kernel_tpu_groups.default_chunk_rows(7) == 16
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64, 100, 127, 128, 200, 256, 300, 1000, 4096])
+def test_a_1d_leaf_is_sliced_where_mosaic_can_prove_it(batch):
+  # A DEQ solver's state carries per-row scalars (1-D leaves: rows on the
+  # lanes). A chunk starting at a traced row must then be a multiple of 128
+  # rows; a group of one chunk is sliced from row 0, written so (the DEQ
+  # example at 64 rows failed Mosaic's alignment proof on the chip before).
+  # Planned for the chip without compiling: the plan either declines or
+  # keeps to one of the two.
+  fn = step_fn.StepFn(step_fn.with_halt(lambda p, h, x: (h[0] * 0.5, h[1] + 1.0), None), ())
+  h0 = (jnp.zeros((batch, 32), jnp.float32), jnp.zeros((batch,), jnp.float32))
+  plan = kernel_tpu_groups.plan(backend_mosaic_tpu.MOSAIC_TPU, fn, None, (), h0, None,
+                                max_iters=8)
+  assert (plan.problems or plan.group_rows == plan.chunk_rows
+          or plan.chunk_rows % 128 == 0), (plan.chunk_rows, plan.group_rows)

@@ -88,7 +88,9 @@ _notice_p.def_abstract_eval(lambda *args, message: args)
 
 
 def _notice_lowering(ctx: Any, *args: Any, message: str) -> list[Any]:
-  notices.warn_once(message)
+  # Lowered when the user's jitted function is first called: the warning
+  # points at that call, not at JAX's lowering code.
+  notices.warn_once_at(message, message, UserWarning, notices.user_site())
   return list(args)
 
 
@@ -98,7 +100,7 @@ mlir.register_lowering(_notice_p, _notice_lowering)
 def _notice_impl(*args: Any, message: str) -> list[Any]:
   # Outside `jit` (`jax.grad` of an unjitted function runs a platform's
   # branch op by op): the path runs now, so the notice is due now.
-  notices.warn_once(message)
+  notices.warn_once_at(message, message, UserWarning, notices.user_site())
   return list(args)
 
 

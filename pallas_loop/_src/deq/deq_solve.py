@@ -31,9 +31,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-import os
-import sys
-import types
 from typing import Any, Callable, NamedTuple, cast
 
 import jax
@@ -359,22 +356,6 @@ def solve_rows(fmap: Callable[[Any, jax.Array, Any], jax.Array], shared: Any, z0
   return z, SolveInfo(info.steps, jax.lax.stop_gradient(residual), info.halted)
 
 
-# Where the caller's code is: the first frame outside this package and JAX.
-_SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(cast(str, m.__file__))) + os.sep for m in
-                   (sys.modules["pallas_loop"], jax, sys.modules.get("jaxlib", jax)))
-
-
-def _call_site() -> tuple[str, int]:
-  """(file, line) of the user's call of `fixed_point` (outside this package and JAX)."""
-  frame: types.FrameType | None = sys._getframe(1)  # pylint: disable=protected-access
-  while frame is not None:
-    name = os.path.abspath(frame.f_code.co_filename)
-    if not name.startswith(_SKIP_DIRS) and not name.startswith("<frozen"):
-      return frame.f_code.co_filename, frame.f_lineno
-    frame = frame.f_back
-  return "<unknown>", 0
-
-
 def _report(which: str, policy: str, tolerance: str, max_iters: int, info: SolveInfo,
             site: tuple[str, int]) -> None:
   """Reports non-converged rows by `policy`, from a host callback (works under jit).
@@ -535,7 +516,7 @@ def fixed_point(
   """
   options_lib.reject_keywords("fixed_point", kwargs)
   options = options_lib.check_options(options)
-  site = _call_site()
+  site = notices.user_site()
   solver = deq_solvers.Broyden() if solver is None else deq_solvers.as_solver(solver)
   adjoint = ImplicitAdjoint() if adjoint is None else adjoint
   _check_policy("on_failure", on_failure)

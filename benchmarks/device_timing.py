@@ -19,6 +19,7 @@ state-dependent products (their FLOPs over the chip's bf16 peak).
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -126,3 +127,21 @@ def bound_ns_per_row_step(flops_per_row_step: float, device_kind: str) -> float 
   """
   peak = peak_tflops(device_kind)
   return None if peak is None else flops_per_row_step / (peak * 1e12) * 1e9
+
+
+def json_lines(path: str | None) -> Callable[[dict], None]:
+  """write(record): prints the record as a JSON line, stamped with the date,
+  the device kind and the JAX version, and appends it to `path` (if given),
+  flushed at once: a device run cut short keeps every line it wrote."""
+  out = open(path, "a") if path else None  # pylint: disable=consider-using-with
+  stamp = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
+           "jax": jax.__version__}
+
+  def write(record: dict) -> None:
+    line = json.dumps({**stamp, **record}, default=float)
+    print(line, flush=True)
+    if out:
+      out.write(line + "\n")
+      out.flush()
+
+  return write

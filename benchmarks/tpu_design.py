@@ -24,9 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import sys
-import time
 
 import jax
 from jax import lax
@@ -168,14 +166,7 @@ def main(argv=None) -> int:
                       "variants), loops (the prototypes), permutation")
   args = p.parse_args(argv)
   kind = jax.devices()[0].device_kind
-  out = open(args.out, "a") if args.out else None
-
-  def write(line):
-    line = {"date": time.strftime("%Y-%m-%d"), "device": kind, "jax": jax.__version__, **line}
-    print(json.dumps(line), flush=True)
-    if out:
-      out.write(json.dumps(line) + "\n")
-      out.flush()
+  write = device_timing.json_lines(args.out)
 
   sections = args.sections.split(",")
   if "baselines" in sections:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 
@@ -136,15 +135,7 @@ def main(argv=None) -> int:
   parser.add_argument("--check-only", action="store_true",
                       help="check each variant's result once, time nothing")
   args = parser.parse_args(argv)
-  out = open(args.out, "a") if args.out else None
-
-  def write(rec):
-    rec = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, **rec}
-    line = json.dumps(rec)
-    print(line, flush=True)
-    if out:
-      out.write(line + "\n")
-      out.flush()
+  write = device_timing.json_lines(args.out)
 
   batch = args.batch
   order = jax.random.permutation(jax.random.key(0), batch).astype(jnp.int32)

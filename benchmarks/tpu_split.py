@@ -26,7 +26,6 @@ sorted counts every application sees the same counts; they pass through a
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import jax
@@ -49,14 +48,7 @@ def main(argv=None) -> int:
   parser.add_argument("--variants", action="store_true",
                       help="also the sorted forward with other groups and chunks")
   args = parser.parse_args(argv)
-  out = open(args.out, "a") if args.out else None
-
-  def write(rec):
-    line = json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__, **rec})
-    print(line, flush=True)
-    if out:
-      out.write(line + "\n")
-      out.flush()
+  write = device_timing.json_lines(args.out)
 
   import pallas_loop  # pylint: disable=g-import-not-at-top
   from pallas_loop._src import tiling  # pylint: disable=g-import-not-at-top

@@ -548,3 +548,49 @@ def test_bool_reshapes_and_broadcasts_go_through_int32():
   for g, w in zip(got, want):
     assert g.dtype == w.dtype
     np.testing.assert_array_equal(g, w)
+
+
+def _tpu_plans(step, params, h0):
+  """The TPU plans of `jax.value_and_grad` of a sum of `iterate`'s output
+  (exported for a TPU, not compiled), the warnings, and the kernels lowered."""
+  notices._warned.clear()
+  loss = lambda p, h: cases.tree_sum(jax.tree.map(
+      lambda a: a.astype(jnp.float32), pallas_loop.iterate(step, p, h, None, max_iters=3)))
+  with dispatch.observe_plans() as seen, warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    text = lowering.export_text(jax.value_and_grad(loss), params, h0, platform="tpu")
+  plans = {what: p for what, name, p in seen if name == "mosaic_tpu"}
+  return plans, [str(m.message) for m in caught], text.count(lowering.kernel_marker("tpu"))
+
+
+def test_mosaic_declines_the_dots_it_does_not_compile():
+  """ACT's halting head `s @ w_h` (w_h of shape [W]) failed to compile for a v5e
+  (deviceless, libtpu 0.0.42.1 and 0.0.48.1: `examples/act.py`): a matrix-vector
+  product forward, an outer product in its gradient, and a Dense(1) head on a
+  [R, T, W] state in the gradient's merged contraction. Each is declined with
+  the reason (XLA runs it, with the warning); the head as a multiply and a sum
+  runs both kernels."""
+  w = {"w": jnp.full((32, 32), 0.05), "v": jnp.full((32,), 0.1)}
+  h0 = (jnp.ones((256, 32)), jnp.zeros((256,)))
+  matvec = lambda p, h, x: (jnp.tanh(h[0] @ p["w"]), jax.nn.sigmoid(h[0] @ p["v"]))
+  plans, caught, kernels = _tpu_plans(matvec, w, h0)
+  assert any("matrix-vector product" in m for m in plans["forward"].problems)
+  assert any("no contracted axis" in m or "matrix-vector" in m
+             for m in plans["backward"].problems)
+  assert any("cannot run this step" in m for m in caught) and kernels == 0
+  summed = lambda p, h, x: (jnp.tanh(h[0] @ p["w"]),
+                            jax.nn.sigmoid(jnp.sum(h[0] * p["v"], axis=-1)))
+  plans, _, kernels = _tpu_plans(summed, w, h0)
+  assert not plans["forward"].problems and not plans["backward"].problems and kernels == 2
+  # A Dense(1) head on a state with two row axes: the forward runs, the
+  # gradient's contraction over (R, T) against [R, T, 1] is declined.
+  h3 = (jnp.ones((256, 8, 32)), jnp.zeros((256, 8)))
+  dense1 = lambda p, h, x: (jnp.tanh(h[0] @ p["w"]), (h[0] @ p["v"][:, None])[..., 0])
+  plans, _, kernels = _tpu_plans(dense1, w, h3)
+  assert not plans["forward"].problems
+  assert any("several axes" in m for m in plans["backward"].problems) and kernels == 1
+  # Batched products (the DEQ solvers' per-row "rmd,rd->rm") are not declined.
+  jaxpr = jax.make_jaxpr(jax.grad(lambda a, b: jnp.sum(jnp.einsum("rmd,rd->rm", a, b))))(
+      jnp.ones((8, 4, 16)), jnp.ones((8, 16))).jaxpr
+  assert not backend_mosaic_tpu._dot_problems(jaxpr)  # pylint: disable=protected-access
+

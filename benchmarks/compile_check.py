@@ -208,7 +208,9 @@ def matrix(full: bool, targets) -> list[Case]:
                 # their cotangents, at the trip's slot of a [S, TB, ...] block.
                 Case(target, "tanh_rnn", 128, "bfloat16", "full", outputs=True),
                 # A small DEQ solve: the solver's per-row scalars in one short chunk.
-                Case(target, "deq", 32, "float32", "full")]
+                Case(target, "deq", 32, "float32", "full"),
+                # ACT's halted flags: a bool state leaf through both kernels.
+                Case(target, "act", 128, "float32", "full")]
   return cases
 
 
@@ -281,6 +283,8 @@ def _function(case: Case, implementation: str | None = None):
 
   if case.block == "deq":
     return _deq_function(case)
+  if case.block == "act":
+    return _act_function(case)
   kw: dict[str, Any] = dict(max_iters=MAX_ITERS, grad=_grad_mode(case.mode))
   if case.block in ATTENTION:
     from benchmarks import attention  # pylint: disable=g-import-not-at-top
@@ -367,6 +371,47 @@ def _deq_function(case: Case):
   if case.mode == "forward":
     return forward, (params, x)
   loss = lambda p, x_: jnp.sum(jnp.tanh(forward(p, x_).astype(jnp.float32)))
+  return jax.value_and_grad(loss, argnums=(0, 1)), (params, x)
+
+
+def _act_function(case: Case):
+  """Adaptive Computation Time as `examples/act.py` drives it (`halting.act`):
+  a tanh RNN block with a halting head written as a multiply and a sum (a
+  matrix-vector product is declined on the TPU), whose state carries ACT's
+  halted flags, a bool leaf; forward or `jax.value_and_grad`. The backward
+  kernel's loops carry the bool leaf as int32 (as a bool vector it failed
+  Mosaic's legalisation of the loop)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import pallas_loop  # pylint: disable=g-import-not-at-top
+  from pallas_loop import halting  # pylint: disable=g-import-not-at-top
+
+  d, dtype = case.d, jnp.dtype(case.dtype)
+  k = jax.random.split(jax.random.key(0), 4)
+  params = {"w": (jax.random.normal(k[0], (d, d)) / np.sqrt(d)).astype(dtype),
+            "wh": (jax.random.normal(k[1], (d,)) / np.sqrt(d)).astype(dtype),
+            "v": (jax.random.normal(k[2], (d, 16)) / np.sqrt(d)).astype(dtype)}
+  x = jax.random.normal(k[3], (BATCH, d)).astype(dtype)
+
+  def block(p, s, x_):
+    s_new = jnp.tanh(s @ p["w"] + x_)
+    return s_new, s_new @ p["v"], jax.nn.sigmoid(jnp.sum(s_new * p["wh"], axis=-1))
+
+  act = halting.act(block, max_iters=MAX_ITERS)
+  how: dict[str, Any] = dict(implementation=case.implementation)
+  if case.implementation == "pallas":
+    how["interpret"] = False
+
+  def forward(p, x_):
+    h0 = act.init(p, jnp.zeros((BATCH, d), dtype), x_)
+    h = pallas_loop.iterate(act.step, p, h0, x_, max_iters=act.max_iters, halt=act.halt,
+                            options=pallas_loop.Options(**how))
+    return h.output
+
+  if case.mode == "forward":
+    return forward, (params, x)
+  loss = lambda p, x_: jnp.sum(forward(p, x_).astype(jnp.float32))
   return jax.value_and_grad(loss, argnums=(0, 1)), (params, x)
 
 

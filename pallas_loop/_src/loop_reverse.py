@@ -175,6 +175,18 @@ def _counted_loop(lo: int | jax.Array, hi: int | jax.Array,
   return lax.while_loop(cond, step, (jnp.asarray(lo, jnp.int32), init))[1]
 
 
+def _bool_as_int32(tree: Any) -> Any:
+  """`tree` with its bool leaves as int32 (0/1): what the window's loops carry."""
+  return tree_util.tree_map(
+      lambda a: a.astype(jnp.int32) if jnp.result_type(a) == jnp.bool_ else a, tree)
+
+
+def _int32_as_bool(tree: Any, like: Any) -> Any:
+  """The inverse of `_bool_as_int32`: the leaves that are bool in `like` back to bool."""
+  return tree_util.tree_map(
+      lambda a, r: a != 0 if jnp.result_type(r) == jnp.bool_ else a, tree, like)
+
+
 def reverse_window(step: Callable, shared: Any, h_start: Any, x: Any, t0: jax.Array,
                    n: jax.Array, rows: jax.Array, g: Any, *, every: int, ckpt: Any, seg: Any,
                    acc_shared: Any, acc_x: Any, vjp: Callable = step_vjp,
@@ -232,20 +244,28 @@ def reverse_window(step: Callable, shared: Any, h_start: Any, x: Any, t0: jax.Ar
       return active, jnp.broadcast_to(lo + w, n.shape), lo + w
     return active, t0 + w, w  # the scalar index is not used: rows differ
 
+  # The loops carry bool state leaves (flags, ACT's halted) as int32: Mosaic
+  # TPU cannot carry a bool vector through a while loop ("failed to legalize
+  # operation 'scf.yield'", libtpu 0.0.42.1 and 0.0.48.1, `examples/act.py`
+  # compiled deviceless); the step and the buffers see them as bool.
+  words = _bool_as_int32
+  flags = lambda tree: _int32_as_bool(tree, h_start)
+
   def advance(h: Any, w: jax.Array) -> Any:
-    """The state after window step w (rows outside their window stay put)."""
+    """The state after window step w (rows outside their window stay put);
+    `h` and the result carry bool leaves as int32."""
     active, t, index = clock(w)
-    h_new = step(shared, h, x, t, rows, index)[0]
-    return loop_lib.select_rows(active, h_new, h)
+    h_new = step(shared, flags(h), x, t, rows, index)[0]
+    return loop_lib.select_rows(active, words(h_new), h)
 
   def checkpoint_segment(s: jax.Array, carry: tuple[Any, Any]) -> tuple[Any, Any]:
     h, ckpt = carry
-    ckpt = ckpt.write(s, h)
+    ckpt = ckpt.write(s, flags(h))
     h = _counted_loop(0, every, lambda j, h: advance(h, s * every + j), h)
     return h, ckpt
 
-  h_last, ckpt = _counted_loop(0, n_seg - 1, checkpoint_segment, (h_start, ckpt))
-  ckpt = ckpt.write(jnp.maximum(n_seg - 1, 0), h_last)
+  h_last, ckpt = _counted_loop(0, n_seg - 1, checkpoint_segment, (words(h_start), ckpt))
+  ckpt = ckpt.write(jnp.maximum(n_seg - 1, 0), flags(h_last))
 
   def reverse_segment(i: jax.Array, carry: tuple[Any, Any, Any, Any]
                       ) -> tuple[Any, Any, Any, Any]:
@@ -256,10 +276,10 @@ def reverse_window(step: Callable, shared: Any, h_start: Any, x: Any, t0: jax.Ar
 
     def recompute(j: jax.Array, c: tuple[Any, Any]) -> tuple[Any, Any]:
       h, seg = c
-      return advance(h, first + j), seg.write(j, h)
+      return advance(h, first + j), seg.write(j, flags(h))
 
-    h, seg = _counted_loop(0, length - 1, recompute, (ckpt.read(s), seg))
-    seg = seg.write(length - 1, h)
+    h, seg = _counted_loop(0, length - 1, recompute, (words(ckpt.read(s)), seg))
+    seg = seg.write(length - 1, flags(h))
 
     def back(jj: jax.Array, c: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
       g, acc_shared, acc_x = c
@@ -270,12 +290,13 @@ def reverse_window(step: Callable, shared: Any, h_start: Any, x: Any, t0: jax.Ar
           active, tree, tree_util.tree_map(jnp.zeros_like, tree))
       ct_y = None if g_ys_at is None else zeros_where_idle(g_ys_at(index))
       d_h, acc_shared, acc_x = vjp(step, shared, seg.read(j), x, t, rows, index,
-                                   zeros_where_idle(g), ct_y, acc_shared, acc_x)
-      return loop_lib.select_rows(active, d_h, g), acc_shared, acc_x
+                                   zeros_where_idle(flags(g)), ct_y, acc_shared, acc_x)
+      return loop_lib.select_rows(active, words(d_h), g), acc_shared, acc_x
 
     g, acc_shared, acc_x = _counted_loop(0, length, back, (g, acc_shared, acc_x))
     return g, acc_shared, acc_x, seg
 
+  # The cotangents carry a bool leaf's (zeros of its dtype) as int32 too.
   g, acc_shared, acc_x, _ = _counted_loop(
-      0, n_seg, reverse_segment, (g, acc_shared, acc_x, seg))
-  return g, acc_shared, acc_x
+      0, n_seg, reverse_segment, (words(g), acc_shared, acc_x, seg))
+  return flags(g), acc_shared, acc_x

@@ -209,7 +209,7 @@ def matrix(full: bool, targets) -> list[Case]:
                 Case(target, "tanh_rnn", 128, "bfloat16", "full", outputs=True),
                 # A small DEQ solve: the solver's per-row scalars in one short chunk.
                 Case(target, "deq", 32, "float32", "full"),
-                # ACT's halted flags: a bool state leaf through both kernels.
+                # ACT: a matrix-vector halting head, the halted flags (a bool leaf).
                 Case(target, "act", 128, "float32", "full")]
   return cases
 
@@ -376,11 +376,12 @@ def _deq_function(case: Case):
 
 def _act_function(case: Case):
   """Adaptive Computation Time as `examples/act.py` drives it (`halting.act`):
-  a tanh RNN block with a halting head written as a multiply and a sum (a
-  matrix-vector product is declined on the TPU), whose state carries ACT's
-  halted flags, a bool leaf; forward or `jax.value_and_grad`. The backward
-  kernel's loops carry the bool leaf as int32 (as a bool vector it failed
-  Mosaic's legalisation of the loop)."""
+  a tanh RNN block whose halting head is a matrix-vector product `s @ w_h`
+  (Mosaic computes it as a multiply and a sum: as a dot it did not compile,
+  nor did its gradient's outer product), and whose state carries ACT's halted
+  flags, a bool leaf (the backward's loops carry it as int32: as a bool
+  vector it failed Mosaic's legalisation of the loop); forward or
+  `jax.value_and_grad`."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -396,7 +397,7 @@ def _act_function(case: Case):
 
   def block(p, s, x_):
     s_new = jnp.tanh(s @ p["w"] + x_)
-    return s_new, s_new @ p["v"], jax.nn.sigmoid(jnp.sum(s_new * p["wh"], axis=-1))
+    return s_new, s_new @ p["v"], jax.nn.sigmoid(s_new @ p["wh"])
 
   act = halting.act(block, max_iters=MAX_ITERS)
   how: dict[str, Any] = dict(implementation=case.implementation)

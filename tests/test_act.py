@@ -35,15 +35,15 @@ def make_params(seed=0, bias=-1.0):
           "Wq": n(5, (D, D), 0.4), "Wk": n(6, (D, D), 0.4)}
 
 
-# The halting heads take the product with `wh` as a multiply and a sum: as a
-# matrix-vector product (`s @ wh`) Mosaic TPU does not compile it, and the TPU's
-# rules decline it (tests/test_compile_rules.py).
+# The halting heads are matrix-vector products (`s @ wh`, wh of shape [D]), as
+# examples/act.py writes them: on a TPU (and in interpret mode, its rules) the
+# kernels compute them as a multiply and a sum (`jaxpr_eval._vector_dot`).
 
 
 def example_block(p, s, x):
   """One halting decision per row: s [R, D], x [R, DX] -> y [R, K], h [R]."""
   s_new = jnp.tanh(s @ p["W"] + x @ p["U"] + p["b"])
-  return s_new, s_new @ p["V"], jax.nn.sigmoid(jnp.sum(s_new * p["wh"], axis=-1) + p["bh"])
+  return s_new, s_new @ p["V"], jax.nn.sigmoid(s_new @ p["wh"] + p["bh"])
 
 
 def token_block(p, s, x):
@@ -52,7 +52,7 @@ def token_block(p, s, x):
   q, k = s @ p["Wq"], s @ p["Wk"]
   att = jax.nn.softmax(jnp.einsum("rtd,rsd->rts", q, k) / np.sqrt(D), axis=-1)
   s_new = jnp.tanh(jnp.einsum("rts,rsd->rtd", att, s) @ p["W"] + x @ p["U"] + p["b"])
-  return s_new, s_new @ p["V"], jax.nn.sigmoid(jnp.sum(s_new * p["wh"], axis=-1) + p["bh"])
+  return s_new, s_new @ p["V"], jax.nn.sigmoid(s_new @ p["wh"] + p["bh"])
 
 
 def make_inputs(per_token, batch, seed=1):
@@ -293,7 +293,7 @@ def untied_block(p, s, x, *, index):
   """Scenic's Universal Transformer with share_parameters=False, in small: step n
   (index n - 1) has its own W, read from a stack of M."""
   s_new = jnp.tanh(s @ p["Ws"][index] + x @ p["U"] + p["b"])
-  return s_new, s_new @ p["V"], jax.nn.sigmoid(jnp.sum(s_new * p["wh"], axis=-1) + p["bh"])
+  return s_new, s_new @ p["V"], jax.nn.sigmoid(s_new @ p["wh"] + p["bh"])
 
 
 def _untied_params(max_steps, seed=0):

@@ -13,6 +13,7 @@ import functools
 import warnings
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -563,34 +564,54 @@ def _tpu_plans(step, params, h0):
   return plans, [str(m.message) for m in caught], text.count(lowering.kernel_marker("tpu"))
 
 
-def test_mosaic_declines_the_dots_it_does_not_compile():
-  """ACT's halting head `s @ w_h` (w_h of shape [W]) failed to compile for a v5e
-  (deviceless, libtpu 0.0.42.1 and 0.0.48.1: `examples/act.py`): a matrix-vector
-  product forward, an outer product in its gradient, and a Dense(1) head on a
-  [R, T, W] state in the gradient's merged contraction. Each is declined with
-  the reason (XLA runs it, with the warning); the head as a multiply and a sum
-  runs both kernels."""
+@pytest.mark.parametrize("lhs,rhs,dims", [
+    ((16, 8), (8,), (((1,), (0,)), ((), ()))),            # matrix-vector (ACT's head)
+    ((8,), (8, 5), (((0,), (0,)), ((), ()))),             # vector-matrix
+    ((16, 4, 8), (8,), (((2,), (0,)), ((), ()))),         # per-token head
+    ((16,), (8,), (((), ()), ((), ()))),                  # outer product (its gradient)
+    ((16, 8), (16,), (((0,), (0,)), ((), ()))),           # the head's weight gradient
+    ((16, 4, 8), (16, 4, 1), (((0, 1), (0, 1)), ((), ()))),  # Dense(1)'s, [R, T, W]
+    ((3, 4, 5), (5, 4), (((2, 1), (0, 1)), ((), ()))),    # contracted out of order
+])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vector_dots_are_a_multiply_and_a_sum(lhs, rhs, dims, dtype):
+  """Mosaic's `vector_dots` rule (`jaxpr_eval._vector_dot`) computes the dots
+  Mosaic TPU does not compile (found compiling `examples/act.py` deviceless)
+  as a broadcast multiply and a sum: the dot's value, its shape and dtype."""
+  k = jax.random.split(jax.random.key(0), 2)
+  a = jax.random.normal(k[0], lhs).astype(dtype)
+  b = jax.random.normal(k[1], rhs).astype(dtype)
+  f = lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+  closed = jax.make_jaxpr(f)(a, b)
+  assert jaxpr_eval.is_vector_dot(closed.jaxpr.eqns[-1])
+  (got,) = jaxpr_eval.eval_jaxpr(closed.jaxpr, closed.consts, [a, b],
+                                 rules=backend_mosaic_tpu.EVAL_RULES)
+  want = f(a, b)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_mosaic_runs_act_heads_written_as_matrix_vector_products():
+  """ACT's halting head `s @ w_h` (w_h of shape [W]) failed to compile for a
+  v5e (libtpu 0.0.42.1 and 0.0.48.1): a matrix-vector product forward, an
+  outer product in its gradient, and a Dense(1) head on a [R, T, W] state in
+  the gradient's merged contraction. Computed as a multiply and a sum
+  (`vector_dots`), both kernels take them; batched products are not touched."""
   w = {"w": jnp.full((32, 32), 0.05), "v": jnp.full((32,), 0.1)}
   h0 = (jnp.ones((256, 32)), jnp.zeros((256,)))
   matvec = lambda p, h, x: (jnp.tanh(h[0] @ p["w"]), jax.nn.sigmoid(h[0] @ p["v"]))
-  plans, caught, kernels = _tpu_plans(matvec, w, h0)
-  assert any("matrix-vector product" in m for m in plans["forward"].problems)
-  assert any("no contracted axis" in m or "matrix-vector" in m
-             for m in plans["backward"].problems)
-  assert any("cannot run this step" in m for m in caught) and kernels == 0
-  summed = lambda p, h, x: (jnp.tanh(h[0] @ p["w"]),
-                            jax.nn.sigmoid(jnp.sum(h[0] * p["v"], axis=-1)))
-  plans, _, kernels = _tpu_plans(summed, w, h0)
+  plans, _, kernels = _tpu_plans(matvec, w, h0)
   assert not plans["forward"].problems and not plans["backward"].problems and kernels == 2
-  # A Dense(1) head on a state with two row axes: the forward runs, the
-  # gradient's contraction over (R, T) against [R, T, 1] is declined.
   h3 = (jnp.ones((256, 8, 32)), jnp.zeros((256, 8)))
   dense1 = lambda p, h, x: (jnp.tanh(h[0] @ p["w"]), (h[0] @ p["v"][:, None])[..., 0])
   plans, _, kernels = _tpu_plans(dense1, w, h3)
-  assert not plans["forward"].problems
-  assert any("several axes" in m for m in plans["backward"].problems) and kernels == 1
-  # Batched products (the DEQ solvers' per-row "rmd,rd->rm") are not declined.
+  assert not plans["forward"].problems and not plans["backward"].problems and kernels == 2
+  # In interpret mode (the TPU's rules) the kernels match the reference.
+  got = pallas_loop.iterate(matvec, w, h0, None, max_iters=3,
+                            options=pallas_loop.Options(implementation="pallas", interpret=True))
+  want = reference.iterate(matvec, w, h0, None, max_iters=3)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
   jaxpr = jax.make_jaxpr(jax.grad(lambda a, b: jnp.sum(jnp.einsum("rmd,rd->rm", a, b))))(
       jnp.ones((8, 4, 16)), jnp.ones((8, 16))).jaxpr
-  assert not backend_mosaic_tpu._dot_problems(jaxpr)  # pylint: disable=protected-access
-
+  assert not any(jaxpr_eval.is_vector_dot(e) for e in jaxpr.eqns)

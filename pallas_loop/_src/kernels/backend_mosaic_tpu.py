@@ -34,7 +34,7 @@ from pallas_loop._src.step import jaxpr_eval
 # logistic through tanh.
 EVAL_RULES = jaxpr_eval.Rules(merge_leading_contractions=True, canonical_dots=True,
                               wide_accumulators=True, int32_bool_shapes=True,
-                              logistic_via_tanh=True)
+                              vector_dots=True, logistic_via_tanh=True)
 
 
 def _block_problems(blocks: Sequence[backend_lib.Block]) -> list[str]:
@@ -220,51 +220,6 @@ def _default_block_rows(batch: int) -> int:
   return min(rows, -(-batch // 16) * 16)
 
 
-def _dot_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
-  """Dots Mosaic TPU does not compile, found compiling `examples/act.py`'s
-  halting head (`s @ w_h` with `w_h` of shape [W]) deviceless for a v5e:
-
-  * no contracted axis (an outer product: the gradient of a matrix-vector
-    product): JAX's Pallas lowering writes `#tpu.dot_dimension_numbers`
-    that its own parser rejects (JAX 0.10.2 and 0.11.2);
-  * an operand with no free axis (a matrix-vector product): libtpu 0.0.42.1
-    rejects its reduction ("Accumulator should be constant"), and on a
-    [R, T, W] state no libtpu reshapes the [R, T] tile to the flat vector;
-  * several contracted axes against an operand whose free part is one
-    element (the weight gradient of a `Dense(1)` head on a [R, T, W]
-    state): the merged contraction reshapes [R, T, 1] to [R * T, 1], a
-    shape cast Mosaic rejects.
-
-  Only dots without batch axes: the batched ones compile. Written as
-  `jnp.sum(s * w_h, -1)` the same head compiles, forward and backward (the
-  message says so)."""
-  for eqn in backend_lib.iter_eqns(jaxpr):
-    if eqn.primitive.name != "dot_general":
-      continue
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    if lb:
-      # Batched forms (per-row products, e.g. the DEQ solvers' "rmd,rd->rm" and
-      # their gradients) are canonicalised and compile (the compile check).
-      continue
-    shapes = [v.aval.shape for v in eqn.invars]  # type: ignore[attr-defined]
-    free = [[d for i, d in enumerate(shape) if i not in set(c) | set(b)]
-            for shape, c, b in zip(shapes, (lc, rc), (lb, rb))]
-    where = source_info_util.summarize(eqn.source_info)
-    fix = ("; write a product with a vector as jnp.sum(a * v, axis=-1) (or run it with "
-           "implementation='xla')")
-    if not lc:
-      return [f"the step (or its gradient) has a dot with no contracted axis (an outer "
-              f"product, at {where}), which Mosaic TPU does not lower" + fix]
-    if any(not f for f in free):
-      return [f"the step (or its gradient) has a matrix-vector product (a dot one of whose "
-              f"operands has no free axis, at {where}), which Mosaic TPU does not compile" + fix]
-    if len(lc) > 1 and any(math.prod(f) == 1 for f in free):
-      return [f"the step's gradient has a dot over several axes against a one-element free "
-              f"part (a Dense(1)-style head on a state with several row axes, at {where}), "
-              "which Mosaic TPU does not compile" + fix]
-  return []
-
-
 def _narrow_scalar_problems(jaxpr: jex_core.Jaxpr) -> list[str]:
   """Scalars of 16-bit floats the kernel would compute: Mosaic makes a
   scalar only of a 32-bit value ("Only arrays with 32-bit element types can
@@ -316,11 +271,10 @@ MOSAIC_TPU = backend_lib.Backend(
     block_problems=_block_problems,
     configure=configure,
     lowering_rules=_lowering_rules,
-    # Dots with several batch or contracted axes are rewritten into forms
-    # Mosaic compiles (`jaxpr_eval._canonical_dot`, `_merged_dot`); the dots
-    # no rewrite makes compile (`_dot_problems`) are declined.
-    extra_problems=lambda jaxpr: (_random_problems(jaxpr) + _narrow_scalar_problems(jaxpr)
-                                  + _dot_problems(jaxpr)),
+    # Dots with several batch or contracted axes, and matrix-vector and outer
+    # products, are rewritten into forms Mosaic compiles (`jaxpr_eval.
+    # _canonical_dot`, `_merged_dot`, `_vector_dot`), not declined.
+    extra_problems=lambda jaxpr: _random_problems(jaxpr) + _narrow_scalar_problems(jaxpr),
     smallest_default_rows=SMALLEST_TILE,
     plan_forward=_plan_forward,
     device_platform="tpu",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -73,6 +74,14 @@ class Rules:
       and compared back (`_bool_via_int32`; Mosaic: libtpu 0.0.42.1, the TPU
       machine's, fails "unsupported shape cast" on `vector<256x8xi1> ->
       vector<256x8x1xi1>`, ACT's per-token mask expanded onto the state).
+    vector_dots: a dot without batch axes that has no contracted axis (an
+      outer product) or an operand whose free part is one element (a
+      matrix-vector product, a `Dense(1)` head's weight gradient) as a
+      broadcast multiply and a sum (`_vector_dot`; Mosaic: libtpu 0.0.42.1
+      rejects a matrix-vector product's reduction, no libtpu reshapes a
+      [R, T] tile into its vector, and JAX's lowering of an outer product
+      writes dimension numbers its own parser rejects; found compiling
+      `examples/act.py`'s halting head `s @ w_h` deviceless).
     logistic_via_tanh: `logistic(x)` (`jax.nn.sigmoid`) as `0.5 * tanh(0.5
       x) + 0.5`, in float32 (Mosaic): one transcendental instead of an exp
       and a reciprocal with its refinement and special cases; the GRU's
@@ -96,6 +105,7 @@ class Rules:
   approx_tanh: bool = False
   emulate_fast_math: bool = False
   int32_bool_shapes: bool = False
+  vector_dots: bool = False
   logistic_via_tanh: bool = False
 
 
@@ -229,6 +239,9 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
       outs = [_bool_via_int32(eqn, invals[0])]
     elif rules.integer_mask_selects and _is_masked_select(eqn):
       outs = [_bitwise_select(*invals)]
+    elif rules.vector_dots and is_vector_dot(eqn):
+      lhs, rhs = _matched(invals)
+      outs = [_vector_dot(eqn, lhs, rhs, rules=rules)]
     elif rules.merge_leading_contractions and merges_leading_contractions(eqn):
       lhs, rhs = _matched(invals)
       outs = [_merged_dot(eqn, lhs, rhs, rules=rules)]
@@ -402,6 +415,63 @@ def _split_dot(eqn: jex_core.JaxprEqn, env: dict[Any, Any],
     return total
 
   return run
+
+
+def _free_axes(shape: tuple, contracted: Sequence[int]) -> list[int]:
+  return [i for i in range(len(shape)) if i not in contracted]
+
+
+def is_vector_dot(eqn: jex_core.JaxprEqn) -> bool:
+  """Whether `eqn` is a dot without batch axes that `_vector_dot` computes:
+  no contracted axis, or an operand whose free axes hold one element."""
+  if eqn.primitive.name != "dot_general":
+    return False
+  (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+  if lb:
+    return False
+  if not lc:
+    return True
+  shapes = [v.aval.shape for v in eqn.invars]  # type: ignore[attr-defined]
+  return any(math.prod(shape[i] for i in _free_axes(shape, c)) == 1
+             for shape, c in zip(shapes, (lc, rc)))
+
+
+def _vector_dot(eqn: jex_core.JaxprEqn, lhs: jax.Array, rhs: jax.Array,
+                rules: Rules = PLAIN) -> jax.Array:
+  """`eqn` (an `is_vector_dot`) as a broadcast multiply and a sum, in the
+  dot's accumulation dtype: the same sum of the same products as the dot,
+  in another order. An outer product is the multiply alone; otherwise the
+  operand with a one-element free part is laid along the other's contracted
+  axes and the product summed over them."""
+  (lc, rc), _ = eqn.params["dimension_numbers"]
+  out_aval: Any = eqn.outvars[0].aval
+  narrow = _narrow_result(eqn, rules)
+  acc = (np.dtype(np.float32) if narrow is not None
+         else np.dtype(eqn.params.get("preferred_element_type") or out_aval.dtype))
+  a, b = lhs.astype(acc), rhs.astype(acc)
+  with eqn.ctx.manager:
+    if not lc:
+      out = a.reshape(a.shape + (1,) * b.ndim) * b.reshape((1,) * a.ndim + b.shape)
+    else:
+      # `vec`: the operand whose free part is one element; `mat`: the other.
+      if math.prod(b.shape[i] for i in _free_axes(b.shape, rc)) == 1:
+        mat, vec, mc, vc = a, b, tuple(lc), tuple(rc)
+      else:
+        mat, vec, mc, vc = b, a, tuple(rc), tuple(lc)
+      # vec's contracted axes, in the order they pair with mat's, then
+      # placed at mat's contracted axes (in mat's own axis order).
+      free = _free_axes(vec.shape, vc)
+      v = jax.numpy.transpose(vec, vc + tuple(free)).reshape([vec.shape[i] for i in vc])
+      order = sorted(range(len(mc)), key=lambda k: mc[k])
+      v = jax.numpy.transpose(v, order)
+      shape = [1] * mat.ndim
+      for k in order:
+        shape[mc[k]] = vec.shape[vc[k]]
+      out = jax.numpy.sum(mat * v.reshape(shape), axis=mc)
+      # mat's free axes come first in the dot's result when mat is the lhs;
+      # vec's one-element free part is only reshaped in.
+    out = out.reshape(out_aval.shape)
+  return out.astype(out_aval.dtype)
 
 
 def merges_leading_contractions(eqn: jex_core.JaxprEqn) -> bool:

@@ -103,6 +103,33 @@ def test_plot_when_matplotlib_is_installed(tmp_path):
   assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_gpu_check_runs_every_kind_of_item(tmp_path):
+  """One item of each kind the accelerator run has (a block check, features,
+  a timing, the gradient modes, the tile sweep, a design comparison), in
+  smoke mode; every item is the slow test below's."""
+  path = tmp_path / "r.jsonl"
+  only = ["check tanh_rnn", "feature full gradient", "feature per-step outputs",
+          "time tanh_rnn", "gradient modes", "block_rows sweep",
+          "design tanh_rnn B=64 forward"]
+  argv = ["--smoke", "--budget", "inf", "--out", str(path)]
+  assert gpu_check.main(argv + [a for o in only for a in ("--only", o)]) == 0
+  lines = [json.loads(l) for l in path.read_text().splitlines()]
+  by_item = lambda item: [l for l in lines if l["item"] == item]
+  checks = by_item("correctness")
+  assert {(c["block"], c["implementation"]) for c in checks} == {
+      ("tanh_rnn", None), ("tanh_rnn", "pallas")}
+  assert all(c["ok"] for c in checks)
+  features = by_item("feature")
+  assert [f["feature"] for f in features] == ["full gradient", "per-step outputs"]
+  assert all(f["ok"] and f["grads_compared"] for f in features)
+  assert by_item("timing") and {r["case"] for r in by_item("timing")} == {
+      c.label for c in cases.smoke_suite() if c.block == "tanh_rnn"}
+  assert by_item("grad_modes") and all(r["ok"] for r in by_item("grad_modes"))
+  assert [r["block"] for r in by_item("block_rows")] == ["tanh_rnn", "residual_mlp"]
+  assert lines[-1]["item"] == "done" and lines[-1]["mismatches"] == []
+
+
+@pytest.mark.slow
 def test_gpu_check_smoke_mode_runs_anywhere(tmp_path):
   path = tmp_path / "r.jsonl"
   # No budget: it stands for an accelerator's allowance, and a loaded CPU can

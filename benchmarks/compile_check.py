@@ -283,9 +283,9 @@ def _function(case: Case, implementation: str | None = None):
   from benchmarks import blocks  # pylint: disable=g-import-not-at-top
 
   if case.block == "deq":
-    return _deq_function(case)
+    return _deq_function(case, implementation)
   if case.block == "act":
-    return _act_function(case)
+    return _act_function(case, implementation)
   kw: dict[str, Any] = dict(max_iters=MAX_ITERS, grad=_grad_mode(case.mode))
   if case.block in ATTENTION:
     from benchmarks import attention  # pylint: disable=g-import-not-at-top
@@ -341,7 +341,7 @@ def _function(case: Case, implementation: str | None = None):
   return jax.value_and_grad(loss, argnums=(0, 1, 2)), (params, h0, x, n)
 
 
-def _deq_function(case: Case):
+def _deq_function(case: Case, implementation: str | None):
   """A DEQ layer as `examples/deq_training.py` writes it, at `DEQ_BATCH` rows:
   `deq.fixed_point` with its default solver, forward or through the default
   (implicit) adjoint. The solver's per-row scalars are 1-D state leaves,
@@ -360,8 +360,8 @@ def _deq_function(case: Case):
             "b": jnp.zeros((d,), dtype)}
   x = jax.random.normal(k[2], (DEQ_BATCH, d // 2)).astype(dtype)
   layer = lambda p, h, x_: jnp.tanh(h @ p["w"] + x_ @ p["u"] + p["b"])
-  how: dict[str, Any] = dict(implementation=case.implementation)
-  if case.implementation == "pallas":
+  how: dict[str, Any] = dict(implementation=implementation)
+  if implementation == "pallas":
     how["interpret"] = False
 
   def forward(p, x_):
@@ -375,7 +375,7 @@ def _deq_function(case: Case):
   return jax.value_and_grad(loss, argnums=(0, 1)), (params, x)
 
 
-def _act_function(case: Case):
+def _act_function(case: Case, implementation: str | None):
   """Adaptive Computation Time as `examples/act.py` drives it (`halting.act`):
   a tanh RNN block whose halting head is a matrix-vector product `s @ w_h`
   (Mosaic computes it as a multiply and a sum: as a dot it did not compile,
@@ -401,8 +401,8 @@ def _act_function(case: Case):
     return s_new, s_new @ p["v"], jax.nn.sigmoid(s_new @ p["wh"])
 
   act = halting.act(block, max_iters=MAX_ITERS)
-  how: dict[str, Any] = dict(implementation=case.implementation)
-  if case.implementation == "pallas":
+  how: dict[str, Any] = dict(implementation=implementation)
+  if implementation == "pallas":
     how["interpret"] = False
 
   def forward(p, x_):

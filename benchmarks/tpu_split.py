@@ -11,8 +11,7 @@ for the tanh RNN (D=128, bfloat16) inside one `jit` as `gpu_check` does
                 skipped (a branch on the device), so this is the loop and
                 the kernel's own reads and writes
   permutation   the permutation alone: `tiling.in_tiles` with the group
-                kernel's flags around a loop that does nothing (and with
-                every leaf's rows packed into one gather: `one_gather`)
+                kernel's flags around a loop that does nothing
   sorted G=.., C=..  the sorted forward with the group kernel's groups per
                 batch (`GROUPS`) or chunk (`LARGEST_CHUNK`) changed
 
@@ -72,18 +71,16 @@ def main(argv=None) -> int:
         # The sorted counts, not loop-invariant (ramp[0] differs per application, >= 0).
         return jnp.minimum(sorted_counts, case.max_iters + r["ramp"][0])
 
-      def permutation(h, r, one_gather=False):
+      def permutation(h, r):
         run = lambda per_row, c: (per_row[0], None)
         return tiling.in_tiles(run, (h, r["x"], None), r["iters"], rows=batch, sort=True,
-                               must_be_finite=False, skip_if_sorted=True, invert_by_sort=True,
-                               one_gather=one_gather)[0]
+                               must_be_finite=False, skip_if_sorted=True, invert_by_sort=True)[0]
 
       variants = {
           "masked_scan": lambda h, r: masked(params, h, r["x"], r["iters"]),
           "whole": lambda h, r: pallas(params, h, r["x"], r["iters"]),
           "sorted": lambda h, r: pallas(params, h, r["x"], sorted_iters(r)),
           "permutation": permutation,
-          "permutation one_gather": lambda h, r: permutation(h, r, one_gather=True),
       }
       if args.variants and dist == "uniform":
         # The sort that orders the rows: JAX's two-operand sort (the library's

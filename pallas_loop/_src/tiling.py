@@ -60,66 +60,24 @@ def inverse_permutation(order: jax.Array, *, by_sort: bool = False) -> jax.Array
       jnp.arange(order.shape[0], dtype=order.dtype))
 
 
-def take_rows(tree: T, index: jax.Array, *, as_one: bool = False) -> T:
+def take_rows(tree: T, index: jax.Array) -> T:
   """Gathers rows `index` of every leaf; the indices are in bounds by
   construction (a permutation or a subset), so no out-of-bounds mask
   (`mode="clip"`: the faster gather on XLA:CPU, see RESULTS.md).
 
-  `as_one`: the leaves whose rows are whole 32-bit words (4- and 8-byte
-  dtypes, 2-byte ones with an even number of elements a row) travel as one
-  uint32 array, [B, words], in one gather: on a TPU a row gather costs
-  about the same per row whether a row holds 256 or 512 bytes (B=32768:
-  0.10 ms for bf16 [B, 128], 0.08 ms for float32; RESULTS.md, "The row
-  permutation (run A)"), so one gather of every leaf's row costs about one.
+  One gather a leaf: packing the leaves' rows into 32-bit words for one
+  gather of them all relays a bfloat16 leaf out on a TPU (its [B, D/2, 2]
+  words have a minor dimension of 2), and the permutation took 0.44 ms that
+  way against 0.22 ms a leaf at a time (B=32768; RESULTS.md, "Where the
+  forward's time goes").
 
   Example:
-    >>> take_rows((jnp.arange(3.0), jnp.array([[1, 2], [3, 4], [5, 6]])), jnp.array([2, 0, 1]),
-    ...           as_one=True)
+    >>> take_rows((jnp.arange(3.0), jnp.array([[1, 2], [3, 4], [5, 6]])), jnp.array([2, 0, 1]))
     (Array([2., 0., 1.], dtype=float32), Array([[5, 6],
            [1, 2],
            [3, 4]], dtype=int32))
   """
-  take = lambda a: jnp.take(a, index, axis=0, mode="clip")
-  leaves, treedef = tree_util.tree_flatten(tree)
-  words = [_row_words(a) for a in leaves]
-  packed = [(i, w) for i, w in enumerate(words) if w is not None]
-  if not as_one or len(packed) < 2:
-    return tree_util.tree_map(take, tree)
-  rows = index.shape[0]
-  together = take(jnp.concatenate([_as_words(leaves[i]) for i, _ in packed], axis=1))
-  out = [None if w is not None else take(a) for a, w in zip(leaves, words)]
-  start = 0
-  for i, w in packed:
-    out[i] = _from_words(together[:, start:start + w], leaves[i], rows)
-    start += w
-  return tree_util.tree_unflatten(treedef, out)
-
-
-def _row_words(a) -> int | None:
-  """32-bit words a row of `a` ([B, ...]) takes, or None where its rows are
-  not whole words (1-byte dtypes, an odd number of 2-byte elements)."""
-  size = int(np.prod(a.shape[1:], dtype=np.int64))
-  itemsize = jnp.dtype(a.dtype).itemsize
-  if jnp.dtype(a.dtype) == jnp.bool_ or itemsize == 1 or (itemsize == 2 and size % 2):
-    return None
-  return size * itemsize // 4
-
-
-def _as_words(a: jax.Array) -> jax.Array:
-  """[B, ...] -> uint32 [B, words]."""
-  words = _row_words(a)
-  size = int(np.prod(a.shape[1:], dtype=np.int64))
-  flat = a.reshape((a.shape[0], words, 2) if jnp.dtype(a.dtype).itemsize == 2 else
-                   (a.shape[0], size))
-  return lax.bitcast_convert_type(flat, jnp.uint32).reshape(a.shape[0], words)
-
-
-def _from_words(words: jax.Array, like, rows: int) -> jax.Array:
-  """The inverse of `_as_words` for `rows` rows of `like`'s dtype and shape."""
-  if jnp.dtype(like.dtype).itemsize == 8:
-    words = words.reshape(rows, words.shape[1] // 2, 2)
-  flat = lax.bitcast_convert_type(words, like.dtype)
-  return flat.reshape((rows,) + tuple(like.shape[1:]))
+  return tree_util.tree_map(lambda a: jnp.take(a, index, axis=0, mode="clip"), tree)
 
 
 def pad_rows(tree: T, rows: int, *, must_be_finite: bool) -> T:
@@ -185,7 +143,7 @@ def slot_rows(counts: jax.Array, rows: int, *, sort: bool) -> tuple[jax.Array, j
 def in_tiles(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
              counts: jax.Array, *, rows: int, sort: bool,
              must_be_finite: bool, skip_if_sorted: bool = False,
-             invert_by_sort: bool = False, one_gather: bool = False) -> tuple[Any, Any]:
+             invert_by_sort: bool = False) -> tuple[Any, Any]:
   """Runs `run` on the rows ordered by count and padded to `rows` rows.
 
   Args:
@@ -202,7 +160,6 @@ def in_tiles(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
       row the same count, say) are not moved: a branch on the device runs
       the gathers only when the counts are out of order.
     invert_by_sort: `inverse_permutation(by_sort=True)`.
-    one_gather: the rows travel in one gather each way (`take_rows(as_one=True)`).
 
   Returns:
     (per_row_out cut to B rows in the caller's order, other).
@@ -218,7 +175,7 @@ def in_tiles(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
   def ordered(per_row, counts):
     # One sort yields the order and the sorted counts (no gather of the counts).
     counts, order = sorted_descending(counts)
-    return take_rows(per_row, order, as_one=one_gather), counts, order
+    return take_rows(per_row, order), counts, order
 
   if sort and skip_if_sorted and batch > 1:
     in_order = jnp.all(counts[:-1] >= counts[1:])
@@ -231,8 +188,7 @@ def in_tiles(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
   counts = jnp.pad(counts, (0, rows - batch))  # padded rows never apply a step
   out, other = run(per_row, counts)
   out = tree_util.tree_map(lambda a: a[:batch], out)
-  restore = lambda a, o: take_rows(a, inverse_permutation(o, by_sort=invert_by_sort),
-                                   as_one=one_gather)
+  restore = lambda a, o: take_rows(a, inverse_permutation(o, by_sort=invert_by_sort))
   if sort and skip_if_sorted and batch > 1:
     out = lax.cond(in_order, lambda a, _: a, restore, out, order)
   elif sort:

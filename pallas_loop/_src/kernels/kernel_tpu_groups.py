@@ -521,14 +521,11 @@ def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True) -> LoopOutput
   # only for a keyed step), and only what it computes travels back: without
   # tracking, each row applied its count, none halted, no residual is asked
   # for, and those are known in the caller's order. Each leaf travels in its
-  # own gather: packing a bfloat16 leaf's rows into 32-bit words for one
-  # gather of all leaves relays them out on a TPU ([B, D/2, 2] has a minor
-  # dimension of 2), and the permutation with it took 0.59 ms at B=32768
-  # where the loop took 0.34 (RESULTS.md, "Where the forward's time goes").
+  # own gather (`tiling.take_rows` says why not one packed gather).
   index = ops.row_ids if p.uses_rows else None
   (h, tracked), _ = tiling.in_tiles(
       on_groups, (ops.h0, ops.x, index), ops.counts, rows=padded, sort=True,
-      must_be_finite=False, skip_if_sorted=True, invert_by_sort=True, one_gather=False)
+      must_be_finite=False, skip_if_sorted=True, invert_by_sort=True)
   if track:
     residual_out, steps, halted = tracked
     return LoopOutputs(h, residual_out, steps, halted > 0, None)

@@ -458,18 +458,16 @@ def _vector_dot(eqn: jex_core.JaxprEqn, lhs: jax.Array, rhs: jax.Array,
         mat, vec, mc, vc = a, b, tuple(lc), tuple(rc)
       else:
         mat, vec, mc, vc = b, a, tuple(rc), tuple(lc)
-      # vec's contracted axes, in the order they pair with mat's, then
-      # placed at mat's contracted axes (in mat's own axis order).
-      free = _free_axes(vec.shape, vc)
-      v = jax.numpy.transpose(vec, vc + tuple(free)).reshape([vec.shape[i] for i in vc])
-      order = sorted(range(len(mc)), key=lambda k: mc[k])
-      v = jax.numpy.transpose(v, order)
+      # vec's contracted axes in the order of the mat axes they pair with,
+      # its one-element free part last, reshaped onto mat's axes (1 on the
+      # free ones). The sum leaves mat's free axes in order, which the
+      # dot's result holds (with vec's one-element part reshaped in).
+      pairs = sorted(zip(mc, vc))
       shape = [1] * mat.ndim
-      for k in order:
-        shape[mc[k]] = vec.shape[vc[k]]
+      for m, v_axis in pairs:
+        shape[m] = vec.shape[v_axis]
+      v = jax.numpy.transpose(vec, [v_axis for _, v_axis in pairs] + _free_axes(vec.shape, vc))
       out = jax.numpy.sum(mat * v.reshape(shape), axis=mc)
-      # mat's free axes come first in the dot's result when mat is the lhs;
-      # vec's one-element free part is only reshaped in.
     out = out.reshape(out_aval.shape)
   return out.astype(out_aval.dtype)
 

@@ -87,21 +87,21 @@ _notice_p.multiple_results = True
 _notice_p.def_abstract_eval(lambda *args, message: args)
 
 
-def _notice_lowering(ctx: Any, *args: Any, message: str) -> list[Any]:
-  # Lowered when the user's jitted function is first called: the warning
-  # points at that call, not at JAX's lowering code.
+def _notice_impl(*args: Any, message: str) -> list[Any]:
+  # Lowered (the user's jitted function first called) or run op by op
+  # (`jax.grad` of an unjitted function runs a platform's branch eagerly):
+  # either way the path is taken now, and the warning points at the user's
+  # line, not at JAX's code.
   notices.warn_once_at(message, message, UserWarning, notices.user_site())
   return list(args)
+
+
+def _notice_lowering(ctx: Any, *args: Any, message: str) -> list[Any]:
+  del ctx
+  return _notice_impl(*args, message=message)
 
 
 mlir.register_lowering(_notice_p, _notice_lowering)
-
-
-def _notice_impl(*args: Any, message: str) -> list[Any]:
-  # Outside `jit` (`jax.grad` of an unjitted function runs a platform's
-  # branch op by op): the path runs now, so the notice is due now.
-  notices.warn_once_at(message, message, UserWarning, notices.user_site())
-  return list(args)
 
 
 def _notice_jvp(primals: Sequence[Any], tangents: Sequence[Any], *,

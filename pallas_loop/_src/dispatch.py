@@ -297,15 +297,21 @@ def window_fn(step_fn: step_fn_lib.StepFn,
     def run_xla(ops: WindowOperands) -> Gradients:
       return xla_backward.backward(step_fn, ops, window=bound, every=every)
 
-    def plan(backend: backend_lib.Backend, ops: WindowOperands) -> kernel_backward.WindowPlan:
-      return kernel_backward.plan(
+    def plan(backend: backend_lib.Backend, ops: WindowOperands) -> Any:
+      outputs = None if ops.g_ys is None else step_fn_lib.avals(ops.g_ys)
+      if backend.plan_backward is None:
+        return kernel_backward.plan(
+            backend, step_fn, ops.params, ops.consts, ops.h_start, ops.x,
+            block_rows=options.block_rows, bound=bound, every=every, outputs=outputs,
+            approx_tanh=options.approx_tanh)
+      # the backend's own kernel
+      return backend.plan_backward(
           backend, step_fn, ops.params, ops.consts, ops.h_start, ops.x,
-          block_rows=options.block_rows, bound=bound, every=every,
-          outputs=None if ops.g_ys is None else step_fn_lib.avals(ops.g_ys),
-          approx_tanh=options.approx_tanh)
+          block_rows=options.block_rows, bound=bound, every=every, outputs=outputs,
+          sort_rows=options.sort_rows, approx_tanh=options.approx_tanh)
 
-    def run_kernel(p: kernel_backward.WindowPlan, ops: WindowOperands) -> Gradients:
-      return kernel_backward.run(p, ops, sort_rows=options.sort_rows, schedule=options.schedule)
+    def run_kernel(p: Any, ops: WindowOperands) -> Gradients:
+      return p.run(ops, sort_rows=options.sort_rows, schedule=options.schedule)
 
     return _per_platform("backward", plan, run_kernel, run_xla, options)(ops)
 

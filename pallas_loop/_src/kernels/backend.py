@@ -87,6 +87,11 @@ class Backend:
       max_iters=, approx_tanh=)` -> a plan with `.problems`, `.config` and
       `.run(ops, sort_rows=, residual=, schedule=)`; None: the tile kernel
       every backend shares (`kernel_forward.plan`).
+    plan_backward: the backend's own backward kernel: `plan_backward(backend,
+      step_fn, params, consts, h, x, block_rows=, bound=, every=, outputs=,
+      sort_rows=, approx_tanh=)` -> a plan with `.problems`, `.config` and
+      `.run(ops, sort_rows=, schedule=)`; None: the tile kernel every
+      backend shares (`kernel_backward.plan`).
     device_platform: its devices' platform as JAX names it
       (`jax.default_backend()`, `Device.platform`, an abstract mesh's), e.g.
       "gpu"; also the `Options(interpret=...)` string that applies its rules
@@ -120,6 +125,7 @@ class Backend:
   smallest_default_rows: int = 16
   checks: Backend | None = None
   plan_forward: Callable[..., Any] | None = None
+  plan_backward: Callable[..., Any] | None = None
   device_platform: str | None = None
   label: str = ""
   indexed_rows: bool = False

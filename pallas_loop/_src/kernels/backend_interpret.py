@@ -128,7 +128,8 @@ def for_option(interpret: Any) -> backend_lib.Backend:
   # The target's own semantics: its launch and its own forward kernel, interpreted.
   return dataclasses.replace(
       for_target(target), name=f"{target.device_platform}-interpret", interpret=interpret,
-      plan_forward=target.plan_forward, indexed_rows=target.indexed_rows,
+      plan_forward=target.plan_forward, plan_backward=target.plan_backward,
+      indexed_rows=target.indexed_rows,
       persistent_programs=target.persistent_programs)
 
 

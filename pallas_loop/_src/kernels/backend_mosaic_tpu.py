@@ -264,6 +264,13 @@ def _plan_forward(*args, **kwargs):
   return kernel_tpu_groups.plan(*args, **kwargs)
 
 
+def _plan_backward(*args, **kwargs):
+  """The TPU's own backward kernel (`kernel_tpu_groups_backward.plan`),
+  imported when first planned, as `_plan_forward`."""
+  from pallas_loop._src.kernels import kernel_tpu_groups_backward  # pylint: disable=g-import-not-at-top
+  return kernel_tpu_groups_backward.plan(*args, **kwargs)
+
+
 MOSAIC_TPU = backend_lib.Backend(
     name="mosaic_tpu",
     platforms=("tpu",),
@@ -277,6 +284,7 @@ MOSAIC_TPU = backend_lib.Backend(
     extra_problems=lambda jaxpr: _random_problems(jaxpr) + _narrow_scalar_problems(jaxpr),
     smallest_default_rows=SMALLEST_TILE,
     plan_forward=_plan_forward,
+    plan_backward=_plan_backward,
     device_platform="tpu",
     label="TPU (Mosaic)",
     # Mosaic keeps its blocks (rows gathered into tiles before the kernel,

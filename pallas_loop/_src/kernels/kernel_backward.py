@@ -239,6 +239,11 @@ class WindowPlan:
   outputs: Any = None
   y_float: tuple[bool, ...] = ()
 
+  def run(self, ops: WindowOperands, *, sort_rows: bool,
+          schedule: str | None = None) -> Gradients:
+    """`run` with this plan (the interface the TPU's group backward shares)."""
+    return run(self, ops, sort_rows=sort_rows, schedule=schedule)
+
 
 def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
          every: int | None, outputs=None, approx_tanh: bool | None = None) -> WindowPlan:
@@ -261,33 +266,32 @@ def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,
       bound=bound, every=every, outputs=outputs, approx_tanh=approx_tanh))
 
 
-def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every, outputs=None,
-             approx_tanh=None):
+class VjpParts(NamedTuple):
+  """What any backward kernel over rows needs of the step's VJP at `tb` rows
+  (`vjp_parts`): the kernel layouts decide the rest."""
+
+  tile: kernel.TilePlan   # the forward's plan at tb rows (traced step, problems)
+  slots: tuple[int, int]  # (S, C) buffer sizes (powers of 2)
+  shared: list            # the shared operands: params leaves, then traced constants
+  shared_float: tuple[bool, ...]
+  y_float: tuple[bool, ...]
+  jaxpr: Any              # the VJP of one step, traced at tb rows
+  step_problems: list     # the VJP's against the backend's step rules
+
+
+def vjp_parts(backend, step_fn, params, consts, h, x, tb, *, bound, every, outputs=None,
+              approx_tanh=None) -> VjpParts | WindowPlan:
+  """The step's VJP at `tb` rows, traced and checked against the backend's
+  step rules; a `WindowPlan` with no configuration where the forward's plan
+  declined before measuring."""
   tile = kernel.plan(backend, step_fn, params, consts, h, x, tb, approx_tanh=approx_tanh)
   if tile.config is None and tile.footprint is None:  # declined before measuring
     return WindowPlan(tile=tile, config=None, footprint=None, every=every, slots=(0, 0),
                       shared_shapes=(), shared_float=(), x_float=(), problems=tile.problems)
-  padded = tile.rows
   slots = (backend_lib.next_power_of_2(loop_reverse.checkpoint_slots(bound, every)),
            backend_lib.next_power_of_2(every))
   shared = list(tree_util.tree_leaves(params)) + list(tile.traced.const_values)
-  blocks = []
-  for name, size in zip(("checkpoints", "segment states"), slots):
-    for path, a in tree_util.tree_flatten_with_path(h)[0]:
-      blocks.append(backend_lib.Block(
-          f"{name} of h{tree_util.keystr(path)}", (size, tb) + a.shape[1:],
-          (size, padded) + a.shape[1:], row_axis=1))
-  for i, a in enumerate(shared):
-    blocks.append(backend_lib.Block(f"per-tile gradient #{i}", (1,) + toolkit.shared_2d(a),
-                                    (padded // tb,) + toolkit.shared_2d(a), row_axis=None))
   y_float = tuple(loop_reverse.is_float(a) for a in tree_util.tree_leaves(outputs))
-  g_ys_blocks = []
-  for (path, a), f in zip(tree_util.tree_flatten_with_path(outputs)[0], y_float):
-    if f:
-      g_ys_blocks.append(toolkit.output_layout(a, tb))
-      blocks.append(backend_lib.Block(
-          f"cotangent of the per-step output y{tree_util.keystr(path)}",
-          g_ys_blocks[-1].shape, toolkit.output_layout(a, padded).shape, row_axis=1))
   # The outputs' cotangents at one step, [TB, ...] (None: no outputs).
   g_y = tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((tb,) + a.shape[2:], a.dtype),
                            outputs)
@@ -308,13 +312,42 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every,
         wanted=wanted)
 
   avals = functools.partial(step_fn_lib.avals, rows=tb)
-  column = jax.ShapeDtypeStruct((tb, 1), np.int32)
   jaxpr = jax.make_jaxpr(vjp_of_step)(
       (params, list(tile.traced.const_values)), avals(h), avals(x),
       *step_fn_lib.row_index_avals(avals(h)), avals(h), g_y).jaxpr
-  problems = (list(tile.problems) + backend.block_problems(blocks)
-              + backend_lib.step_problems(backend, jaxpr))
+  return VjpParts(tile=tile, slots=slots, shared=shared, shared_float=shared_float,
+                  y_float=y_float, jaxpr=jaxpr,
+                  step_problems=backend_lib.step_problems(backend, jaxpr))
+
+
+def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every, outputs=None,
+             approx_tanh=None):
+  parts = vjp_parts(backend, step_fn, params, consts, h, x, tb, bound=bound, every=every,
+                    outputs=outputs, approx_tanh=approx_tanh)
+  if isinstance(parts, WindowPlan):
+    return parts
+  tile, slots, shared = parts.tile, parts.slots, parts.shared
+  padded = tile.rows
+  blocks = []
+  for name, size in zip(("checkpoints", "segment states"), slots):
+    for path, a in tree_util.tree_flatten_with_path(h)[0]:
+      blocks.append(backend_lib.Block(
+          f"{name} of h{tree_util.keystr(path)}", (size, tb) + a.shape[1:],
+          (size, padded) + a.shape[1:], row_axis=1))
+  for i, a in enumerate(shared):
+    blocks.append(backend_lib.Block(f"per-tile gradient #{i}", (1,) + toolkit.shared_2d(a),
+                                    (padded // tb,) + toolkit.shared_2d(a), row_axis=None))
+  g_ys_blocks = []
+  for (path, a), f in zip(tree_util.tree_flatten_with_path(outputs)[0], parts.y_float):
+    if f:
+      g_ys_blocks.append(toolkit.output_layout(a, tb))
+      blocks.append(backend_lib.Block(
+          f"cotangent of the per-step output y{tree_util.keystr(path)}",
+          g_ys_blocks[-1].shape, toolkit.output_layout(a, padded).shape, row_axis=1))
+  problems = list(tile.problems) + backend.block_problems(blocks) + parts.step_problems
   shared_avals = [jax.ShapeDtypeStruct(toolkit.shared_2d(a), jnp.result_type(a)) for a in shared]
+  avals = functools.partial(step_fn_lib.avals, rows=tb)
+  column = jax.ShapeDtypeStruct((tb, 1), np.int32)
   h_tiles, x_tiles = tree_util.tree_leaves(avals(h)), tree_util.tree_leaves(avals(x))
   h_tiles_batch = tree_util.tree_leaves(h)[0].shape[0]
   # Row blocks: h, x, g in; g_h, g_x out; 3 int columns; the checkpoint and
@@ -326,17 +359,17 @@ def _plan_at(backend, step_fn, params, consts, h, x, tb, *, given, bound, every,
                    for size in slots for a in h_tiles]
                 + [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in shared_avals]
                 + g_ys_blocks)
-  fp = footprint_lib.measure([(jaxpr, len(shared))], batch=h_tiles_batch, block_rows=tb,
+  fp = footprint_lib.measure([(parts.jaxpr, len(shared))], batch=h_tiles_batch, block_rows=tb,
                              shared_avals=shared_avals, row_block_avals=row_blocks)
   config, config_problems = backend_lib.configure(backend, fp, given, state=h,
                                                   approx_tanh=approx_tanh)
   return WindowPlan(
       tile=tile, config=config, footprint=fp, every=every, slots=slots,
       shared_shapes=tuple(np.shape(a) for a in shared),
-      shared_float=shared_float,
+      shared_float=parts.shared_float,
       x_float=tuple(loop_reverse.is_float(a) for a in tree_util.tree_leaves(x)),
       problems=tuple(dict.fromkeys(problems + config_problems)),
-      aligned=step_fn.indexed or step_fn.outputs, outputs=outputs, y_float=y_float)
+      aligned=step_fn.indexed or step_fn.outputs, outputs=outputs, y_float=parts.y_float)
 
 
 def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool, schedule: str | None = None,
@@ -362,9 +395,7 @@ def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool, schedule: str |
   tile = wp.tile
   tb, padded = tile.block_rows, tile.rows
   n_tiles = padded // tb
-  params_leaves, params_tree = tree_util.tree_flatten(ops.params)
-  h_tree = tree_util.tree_structure(ops.h_start)
-  x_leaves, x_tree = tree_util.tree_flatten(ops.x)
+  x_leaves = tree_util.tree_leaves(ops.x)
   params, consts = toolkit.shared_operands(ops.params, tile.traced.const_values)
   shared = tree_util.tree_leaves(params) + consts
   struct = jax.ShapeDtypeStruct
@@ -413,19 +444,41 @@ def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool, schedule: str |
     g_h = [cut(a) for a in tree_util.tree_leaves(got.g_h)]
     g_x = [None if a is None else cut(a) for a in got.g_x]
     tile_sums = got.g_shared
-  g_x = loop_reverse.cast_like(g_x, x_leaves)
+  return assemble(ops, tile_sums, g_h, g_x, shared_shapes=wp.shared_shapes,
+                  sources=tile.traced.sources)
 
-  # Per-tile sums -> gradients of params, and of the caller's consts (a
+
+def assemble(ops: WindowOperands, tile_sums, g_h, g_x, *, shared_shapes, sources) -> Gradients:
+  """The gradients from a backward kernel's outputs, in the operands' dtypes.
+
+  Args:
+    ops: the window the kernel differentiated.
+    tile_sums: per shared operand (params leaves, then the traced step's
+      constants), float32 [programs, ...] per-program sums, or None (no gradient).
+    g_h: the state's cotangent at the window's start, a list per h leaf [B, ...].
+    g_x: per x leaf, float32 [B, ...] or None (not a float leaf).
+    shared_shapes: the shared operands' true shapes.
+    sources: per traced constant, the caller's const it stands for (or None).
+
+  Returns:
+    (g_params, g_consts, g_h_start, g_x), None for integer leaves.
+  """
+  params_leaves, params_tree = tree_util.tree_flatten(ops.params)
+  x_leaves, x_tree = tree_util.tree_flatten(ops.x)
+  g_x = loop_reverse.cast_like(g_x, x_leaves)
+  # Per-program sums -> gradients of params, and of the caller's consts (a
   # traced constant stands for the caller's const `sources[j]`, or for a
-  # constant made inside step, which gets none).
+  # constant made inside step, which gets none). Summed outside the kernel,
+  # in a fixed order: deterministic.
   sums = [None if s is None else jnp.sum(s, axis=0).reshape(shape)
-          for s, shape in zip(tile_sums, wp.shared_shapes)]
+          for s, shape in zip(tile_sums, shared_shapes)]
   n_params = len(params_leaves)
   g_params = loop_reverse.cast_like(sums[:n_params], params_leaves)
   g_consts = [loop_reverse.float32_zeros(c) for c in ops.consts]
-  for s, source in zip(sums[n_params:], tile.traced.sources):
+  for s, source in zip(sums[n_params:], sources):
     if s is not None and source is not None:
       g_consts[source] = g_consts[source] + s
   g_consts = loop_reverse.cast_like(g_consts, list(ops.consts))
   return (tree_util.tree_unflatten(params_tree, g_params), g_consts,
-          tree_util.tree_unflatten(h_tree, g_h), tree_util.tree_unflatten(x_tree, g_x))
+          tree_util.tree_unflatten(tree_util.tree_structure(ops.h_start), g_h),
+          tree_util.tree_unflatten(x_tree, g_x))

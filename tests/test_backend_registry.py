@@ -182,9 +182,9 @@ def test_register_refuses_a_clash():
 _SRC = pathlib.Path(pallas_loop.__file__).parent
 
 # The modules that may name backends: the backends' own, the list of them,
-# and the TPU backend's own kernel (reached only through its
-# `Backend.plan_forward`).
-_OWN = ("backends.py", "kernel_tpu_groups.py")
+# and the TPU backend's own kernels (reached only through its
+# `Backend.plan_forward` and `Backend.plan_backward`).
+_OWN = ("backends.py", "kernel_tpu_groups.py", "kernel_tpu_groups_backward.py")
 # The chips `testing.check_compiles` compiles for without them (a TPU v5e,
 # an H200: `deviceless.TARGETS`) are named by their platforms there; which
 # backend plans for each is looked up (`Target.backend`).

@@ -24,6 +24,7 @@ from pallas_loop._src.kernels import kernel_tpu_groups_backward as groups_backwa
 from pallas_loop._src.step import step_fn
 from benchmarks import blocks
 from tests import cases
+from tests import lowering
 from tests import oracle
 
 TPU_INTERPRET = pallas_loop.Options(implementation="pallas", interpret=pltpu.InterpretParams())
@@ -163,22 +164,30 @@ def test_one_clock_unsorted_rows_and_bool_leaves_take_the_tile_kernel():
 
 
 def test_mosaic_plan():
-  # Planned for a TPU (no compile; an unknown device kind's VMEM here):
-  # chunks of the forward's default height or half it, groups of whole
-  # chunks within the VMEM the kernel asks for.
+  # Planned for a TPU v5e (no compile): chunks of the forward's default
+  # height, groups of whole chunks within the VMEM the kernel asks for; by
+  # default the whole window is one segment where its states fit (no
+  # checkpointing pass), else K ~ sqrt(W).
   step, params, h0, x = blocks.make("tanh_rnn", 32768, 128, jnp.bfloat16)
   fn = step_fn.StepFn(step_fn.with_halt(step, None), ())
-  p = groups_backward.plan(backend_mosaic_tpu.MOSAIC_TPU, fn, params, (), h0, x,
-                           block_rows=None, bound=64, every=None)
-  assert isinstance(p, groups_backward.GroupWindowPlan), p.problems
-  assert p.chunk_rows in (1024, 2048) and p.group_rows % p.chunk_rows == 0 and p.every == 8
-  assert p.config.estimate["vmem_bytes"] <= p.config.estimate["vmem_limit_bytes"]
-  assert not p.reads_t and not p.reads_rows
-  # A 16-bit state in chunks of 8 rows is no whole number of Mosaic's
-  # 16-row tiles as a dynamic slice: the tile kernel takes it (8-row blocks).
-  p = groups_backward.plan(backend_mosaic_tpu.MOSAIC_TPU, fn, params, (), h0[:256], x[:256],
-                           block_rows=8, bound=64, every=None)
-  assert isinstance(p, kernel_backward.WindowPlan) and not p.problems
+  mesh = jax.sharding.AbstractMesh((), (), abstract_device=lowering.AbstractDevice(
+      device_kind="TPU v5 lite", num_cores=None, platform="tpu"))
+  plan = lambda **kw: groups_backward.plan(backend_mosaic_tpu.MOSAIC_TPU, fn, params, (), h0,
+                                           x, **{"block_rows": None, "every": None, **kw})
+  with jax.sharding.use_abstract_mesh(mesh):
+    for bound, every, want in ((64, None, 64), (128, None, 128), (1024, None, 32),
+                               (64, 8, 8)):
+      p = plan(bound=bound, every=every)
+      assert isinstance(p, groups_backward.GroupWindowPlan)
+      assert p.every == want and p.checkpoints == -(-bound // want), (bound, p.every)
+      assert p.chunk_rows == 2048 and p.group_rows % p.chunk_rows == 0
+      assert p.config.estimate["vmem_bytes"] <= p.config.estimate["vmem_limit_bytes"]
+      assert not p.reads_t and not p.reads_rows
+    # A 16-bit state in chunks of 8 rows is no whole number of Mosaic's
+    # 16-row tiles as a dynamic slice: the tile kernel takes it (8-row blocks).
+    p = groups_backward.plan(backend_mosaic_tpu.MOSAIC_TPU, fn, params, (), h0[:256],
+                             x[:256], block_rows=8, bound=64, every=None)
+    assert isinstance(p, kernel_backward.WindowPlan) and not p.problems
 
 
 def test_sum_of_groups_is_deterministic():

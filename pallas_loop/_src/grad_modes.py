@@ -129,8 +129,11 @@ class Full(GradMode):
     checkpoint_every: save the state every this many steps in the backward's
       forward replay and recompute the steps in between. None:
       `ceil(sqrt(max_iters))`, which minimises the states held (about
-      `2 sqrt(max_iters)` per row). 1 keeps every state (the fastest,
-      O(max_iters) memory).
+      `2 sqrt(max_iters)` per row); on a TPU's backward kernel, `max_iters`
+      itself where a group of rows holding that many states fits VMEM (no
+      replay pass: each step's state is computed twice, not three times),
+      else that. 1 keeps every state (no recomputation, O(max_iters)
+      memory).
 
   Examples:
     >>> import jax, jax.numpy as jnp, pallas_loop

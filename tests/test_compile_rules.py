@@ -30,6 +30,8 @@ from pallas_loop._src import notices
 from pallas_loop._src.step import footprint as footprint_lib
 from pallas_loop._src.step import jaxpr_eval
 from pallas_loop._src.kernels import kernel_tpu_groups
+from pallas_loop._src.kernels import kernel_tpu_groups_backward
+from pallas_loop._src.kernels import kernel_backward
 from pallas_loop._src.kernels import backend_mosaic_tpu
 from pallas_loop._src.kernels import backend_triton
 from pallas_loop._src.xla import xla_backward
@@ -96,7 +98,7 @@ def test_held_weight_used_only_widened_is_counted_widened():
 # --- the Triton rule ------------------------------------------------------------
 
 def _plans(block, d, dtype, *, grad, implementation=None, batch=4096, platform="cuda",
-           hoist=True, block_rows=None):
+           hoist=True, block_rows=None, sort_rows=True):
   """The plans the rules make for a block, traced by exporting for `platform`."""
   options = {}
   # Flax's and Equinox's layers promote bfloat16 with float32 themselves.
@@ -111,7 +113,7 @@ def _plans(block, d, dtype, *, grad, implementation=None, batch=4096, platform="
   # The kernel compiled for `platform` (not interpreted) where it is asked for.
   interpret = False if implementation == "pallas" else None
   how = pallas_loop.Options(implementation=implementation, interpret=interpret,
-                            hoist=hoist, block_rows=block_rows)
+                            hoist=hoist, block_rows=block_rows, sort_rows=sort_rows)
   run = functools.partial(pallas_loop.iterate, step, max_iters=MAX_ITERS, options=how,
                           **options)
   forward = lambda p, h, x_, n_: run(p, h, x_, iters=n_)
@@ -352,18 +354,23 @@ def test_mosaic_default_tiles():
 
 
 def test_mosaic_halves_a_default_tile_too_tall_for_vmem():
-  """The backward's tile kernel: a default tile needing over twice the
-  default scoped VMEM is halved (the transformer at D=64: 1024 rows need ~99
-  MB); a tile the caller chose is kept, with the limit raised. The forward's
-  group kernel: a default chunk whose step does not fit is halved, and its
-  group fills what VMEM a kernel may ask for."""
+  """The group kernels (forward and backward): a default chunk whose step
+  does not fit is halved, and its group fills what VMEM a kernel may ask
+  for. The tile kernel (rows left unsorted): a default tile needing over
+  twice the default scoped VMEM is halved (the transformer at D=64: 1024 rows
+  need ~99 MB); a tile the caller chose is kept, with the limit raised."""
   default_limit, physical = backend_mosaic_tpu.vmem("TPU v5 lite")
   plans, _, _ = _plans("transformer", 64, "bfloat16", grad=True, platform="tpu")
   assert isinstance(plans["forward"], kernel_tpu_groups.GroupPlan)
-  assert plans["forward"].config is not None
-  assert 128 <= plans["forward"].chunk_rows < kernel_tpu_groups.LARGEST_CHUNK
-  assert plans["forward"].config.estimate["vmem_bytes"] <= physical * 7 // 8
+  assert isinstance(plans["backward"], kernel_tpu_groups_backward.GroupWindowPlan)
+  for p in plans.values():
+    assert p.config is not None
+    assert 128 <= p.chunk_rows < kernel_tpu_groups.LARGEST_CHUNK
+    assert p.config.estimate["vmem_bytes"] <= physical * 7 // 8
+  plans, _, _ = _plans("transformer", 64, "bfloat16", grad=True, platform="tpu",
+                       sort_rows=False)
   bwd = plans["backward"]
+  assert isinstance(bwd, kernel_backward.WindowPlan)
   assert bwd.config is not None and 128 <= bwd.config.block_rows < 1024
   assert bwd.config.estimate["vmem_bytes"] <= 2 * default_limit
   plans, _, _ = _plans("transformer", 64, "bfloat16", grad=False, platform="tpu",
@@ -377,11 +384,13 @@ def test_mosaic_halves_a_default_tile_too_tall_for_vmem():
   assert plans["forward"].config is None
   (problem,) = plans["forward"].problems
   assert "a smaller block_rows may fit" in problem
-  # The D=128 blocks the v5e timed keep their 1024-row backward tiles and
-  # 2048-row forward chunks.
+  # The D=128 blocks the v5e timed keep their 2048-row chunks, forward and
+  # backward, and the tile kernel its 1024-row tiles.
   plans, _, _ = _plans("gru", 128, "bfloat16", grad=True, platform="tpu")
-  assert plans["backward"].config.block_rows == 1024
+  assert plans["backward"].config.block_rows == kernel_tpu_groups.LARGEST_CHUNK
   assert plans["forward"].config.block_rows == kernel_tpu_groups.LARGEST_CHUNK
+  plans, _, _ = _plans("gru", 128, "bfloat16", grad=True, platform="tpu", sort_rows=False)
+  assert plans["backward"].config.block_rows == 1024
 
 
 def test_mosaic_raises_the_vmem_limit_where_the_blocks_need_it():

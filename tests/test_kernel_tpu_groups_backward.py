@@ -51,6 +51,12 @@ def _grads(step, params, h0, x, *, block_rows=16, sort_rows=True, ref_kw=None, *
   return got, want, [p for what, _, p in seen if what == "backward"]
 
 
+def _dropout_rnn(params, h, x, *, key):
+  """The tanh RNN with dropout on its new state: a keyed step."""
+  w, u, b = params
+  return pallas_loop.random.dropout(key, jnp.tanh(h @ w + x @ u + b), 0.25)
+
+
 def _floats(tree):
   return [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)]
 
@@ -100,14 +106,10 @@ def test_checkpoint_intervals(every):
 def test_truncated_windows_start_at_each_rows_own_step():
   # Truncated(k): each row's window is its last min(k, n) steps, from its
   # own first step index t0 = n - min(k, n): a keyed step draws that step's bits.
-  def step(params, h, x, *, key):
-    w, u, b = params
-    return pallas_loop.random.dropout(key, jnp.tanh(h @ w + x @ u + b), 0.25)
-
   _, params, h0, x = blocks.make("tanh_rnn", 50, 16)
   n = cases.counts("ragged", 50, seed=9)
   kw = dict(iters=n, max_iters=cases.MAX_ITERS, key=jax.random.key(1))
-  got, want, plans = _grads(step, params, h0, x, grad=pallas_loop.Truncated(2), **kw,
+  got, want, plans = _grads(_dropout_rnn, params, h0, x, grad=pallas_loop.Truncated(2), **kw,
                             ref_kw=dict(kw, truncate=2))
   assert isinstance(plans[0], groups_backward.GroupWindowPlan)
   assert plans[0].reads_t and plans[0].reads_rows
@@ -115,13 +117,9 @@ def test_truncated_windows_start_at_each_rows_own_step():
 
 
 def test_keyed_full_gradient():
-  def step(params, h, x, *, key):
-    w, u, b = params
-    return pallas_loop.random.dropout(key, jnp.tanh(h @ w + x @ u + b), 0.25)
-
   _, params, h0, x = blocks.make("tanh_rnn", 70, 16)
   n = cases.counts("ragged", 70, seed=5)
-  got, want, plans = _grads(step, params, h0, x, iters=n, max_iters=cases.MAX_ITERS,
+  got, want, plans = _grads(_dropout_rnn, params, h0, x, iters=n, max_iters=cases.MAX_ITERS,
                             key=jax.random.key(3))
   assert isinstance(plans[0], groups_backward.GroupWindowPlan) and plans[0].reads_rows
   oracle.assert_trees_close(_floats(got), _floats(want), what="gradient")

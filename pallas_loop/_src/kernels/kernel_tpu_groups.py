@@ -80,8 +80,26 @@ GROUPS = 4
 CHUNKS_PER_GROUP = 4
 
 
+class GroupLayout:
+  """What a group kernel's plan derives from its `chunk_rows`, `group_rows`
+  and `rows` (the forward's `GroupPlan`, the backward's `GroupWindowPlan`)."""
+
+  chunk_rows: int
+  group_rows: int
+  rows: int
+
+  @property
+  def block_rows(self) -> int:
+    """Rows one evaluation of the step sees (`Options.block_rows`)."""
+    return self.chunk_rows
+
+  @property
+  def groups(self) -> int:
+    return self.rows // self.group_rows
+
+
 @dataclasses.dataclass(frozen=True)
-class GroupPlan:
+class GroupPlan(GroupLayout):
   """How the group kernel will run, or why it cannot.
 
   Attributes:
@@ -113,15 +131,6 @@ class GroupPlan:
   sliced: frozenset[int] = frozenset()
   uses_rows: bool = False
   max_iters: int = 0
-
-  @property
-  def block_rows(self) -> int:
-    """Rows one evaluation of the step sees (`Options.block_rows`)."""
-    return self.chunk_rows
-
-  @property
-  def groups(self) -> int:
-    return self.rows // self.group_rows
 
   def run(self, ops: LoopOperands, *, sort_rows: bool, residual: bool = True,
           schedule: str | None = None) -> LoopOutputs:
@@ -174,20 +183,8 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
     return GroupPlan(backend=backend, chunk_rows=chunk, group_rows=chunk, rows=chunk,
                      traced=traced, param_shapes=(), const_shapes=(), config=None,
                      footprint=None, problems=tuple(typed))
-  # A chunk is a dynamic slice of the group's rows in VMEM: Mosaic's block
-  # rule applies to it as to a block (a 1-D leaf's rows are the lane axis:
-  # a multiple of 128 rows), and a 16-bit leaf's rows pack two to a
-  # sublane: a multiple of 16.
-  blocks = []
-  for name, tree in (("h0", h0), ("x", x)):
-    for path, a in tree_util.tree_flatten_with_path(tree)[0]:
-      blocks.append(backend_lib.Block(f"{name}{tree_util.keystr(path)} (a chunk of its rows)",
-                                      (chunk,) + a.shape[1:],
-                                      (tiling.padded_rows(batch, chunk),) + a.shape[1:]))
-      if (backend.platforms and len(a.shape) == 2 and jnp.dtype(a.dtype).itemsize == 2
-          and chunk % 16):
-        problems.append(f"{name}{tree_util.keystr(path)} is 16-bit, two rows to a sublane: "
-                        f"choose block_rows a multiple of 16, not {chunk}")
+  blocks, chunk_problems = chunk_blocks(backend, batch, chunk, (("h0", h0), ("x", x)))
+  problems += chunk_problems
   sliced, slice_eqns = backend_lib.leading_slices(
       traced.jaxpr, traced.jaxpr.invars[:n_params] + traced.jaxpr.constvars)
   blocks += [backend_lib.Block(f"params{tree_util.keystr(path)}", toolkit.shared_2d(a),
@@ -224,6 +221,29 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
       sliced=frozenset(sliced), uses_rows=uses_rows, max_iters=max_iters)
 
 
+def chunk_blocks(backend: backend_lib.Backend, batch: int, chunk: int,
+                 named: tuple[tuple[str, Any], ...]) -> tuple[list, list[str]]:
+  """(the blocks a chunk of each named tree's rows makes, the problems of
+  16-bit leaves in chunks Mosaic cannot slice), for a group kernel.
+
+  A chunk is a dynamic slice of the group's rows in VMEM: Mosaic's block
+  rule applies to it as to a block (a 1-D leaf's rows are the lane axis: a
+  multiple of 128 rows), and a 16-bit leaf's rows pack two to a sublane: a
+  multiple of 16.
+  """
+  blocks, problems = [], []
+  for name, tree in named:
+    for path, a in tree_util.tree_flatten_with_path(tree)[0]:
+      blocks.append(backend_lib.Block(f"{name}{tree_util.keystr(path)} (a chunk of its rows)",
+                                      (chunk,) + a.shape[1:],
+                                      (tiling.padded_rows(batch, chunk),) + a.shape[1:]))
+      if (backend.platforms and len(a.shape) == 2 and jnp.dtype(a.dtype).itemsize == 2
+          and chunk % 16):
+        problems.append(f"{name}{tree_util.keystr(path)} is 16-bit, two rows to a sublane: "
+                        f"choose block_rows a multiple of 16, not {chunk}")
+  return blocks, problems
+
+
 def _reads(jaxpr, position: int) -> bool:
   """Whether `jaxpr` reads its input at `position`."""
   var = jaxpr.invars[position]
@@ -249,25 +269,42 @@ def _configure(backend, fp, batch, chunk, h0, x, shared_avals):
   most rows (a multiple of C) that fits 7/8 of the physical VMEM, at most a
   `GROUPS`-th of the batch but at least `CHUNKS_PER_GROUP` chunks.
   """
-  if not backend.platforms:  # interpret mode: no VMEM to fit
-    group = _group_rows(batch, chunk, limit=None)
-    return backend_lib.KernelConfig(block_rows=chunk, eval_rules=backend_mosaic_tpu.EVAL_RULES), group, []
-  default, physical = backend_mosaic_tpu.vmem(backend_lib.device_kind("tpu"))
-  cap = physical * 7 // 8 if physical > default else default
   per_row = sum(backend_mosaic_tpu.padded_bytes(a.shape, a.dtype)
                 for a in _row_blocks(h0, x, chunk, columns=4)) / chunk
   fixed = (2 * sum(backend_mosaic_tpu.padded_bytes(a.shape, a.dtype) for a in shared_avals)
            + backend_mosaic_tpu.FIXED_SCRATCH
            # The step's values with the margin libtpu took over their estimate.
            + int(backend_mosaic_tpu.MARGIN * backend_mosaic_tpu.step_values_bytes(fp)))
-  fits = int((cap - fixed) // (2 * per_row)) // chunk * chunk
-  if fits < chunk:
+  config, group, cap = group_config(backend, batch, chunk, per_row=2 * per_row, fixed=fixed)
+  if config is None:
     return None, chunk, [
         f"no group of {chunk}-row chunks fits the TPU's VMEM ({cap:,} B a kernel may ask for; "
         f"{per_row:.0f} B a row, double-buffered, and {fixed:,} B of shared operands and "
         "temporaries); a smaller block_rows may fit, else the XLA implementation runs it"]
+  return config, group, []
+
+
+def group_config(backend, batch: int, chunk: int, *, per_row: float, fixed: int
+                 ) -> tuple[backend_lib.KernelConfig | None, int, int]:
+  """(config or None, G, the VMEM a kernel may ask for) of a group kernel
+  (forward or backward) whose program holds `per_row` bytes of VMEM a row of
+  its group and `fixed` bytes besides; None where not one chunk fits.
+
+  G is the most rows (a multiple of C) that fits 7/8 of the physical VMEM,
+  at most a `GROUPS`-th of the batch but at least `CHUNKS_PER_GROUP` chunks
+  (`_group_rows`). Interpret mode has no VMEM to fit.
+  """
+  if not backend.platforms:
+    group = _group_rows(batch, chunk, limit=None)
+    return (backend_lib.KernelConfig(block_rows=chunk, eval_rules=backend_mosaic_tpu.EVAL_RULES),
+            group, 0)
+  default, physical = backend_mosaic_tpu.vmem(backend_lib.device_kind("tpu"))
+  cap = physical * 7 // 8 if physical > default else default
+  fits = int((cap - fixed) // per_row) // chunk * chunk
+  if fits < chunk:
+    return None, chunk, cap
   group = _group_rows(batch, chunk, limit=fits)
-  need = int(fixed + 2 * per_row * group)
+  need = int(fixed + per_row * group)
   # Headroom over the estimate for Mosaic's own scratch (the row blocks are
   # exactly what the pipeline allocates; the temporaries are an allowance).
   limit = min(cap, -(-(need + need // 4) // backend_mosaic_tpu.MIB) * backend_mosaic_tpu.MIB)
@@ -278,7 +315,7 @@ def _configure(backend, fp, batch, chunk, h0, x, shared_avals):
   return backend_lib.KernelConfig(
       block_rows=chunk, compiler_params=params, eval_rules=backend_mosaic_tpu.EVAL_RULES,
       estimate={"vmem_bytes": need, "vmem_limit_bytes": max(limit, default),
-                "group_rows": group}), group, []
+                "group_rows": group}), group, cap
 
 
 def _group_rows(batch: int, chunk: int, limit: int | None) -> int:
@@ -330,10 +367,12 @@ class _Scratch(NamedTuple):
   alive: Any     # SMEM int32 [G / C]: 1 while a chunk has a running row
 
 
-# How each input group is blocked (the outputs are all row blocks).
+# How each group is blocked (`launch`).
 _IN_KINDS = _Ins(params=schedule_lib.SHARED, consts=schedule_lib.SHARED,
                  halting=schedule_lib.SHARED, h=schedule_lib.ROWS_IN, x=schedule_lib.ROWS_IN,
                  rows=schedule_lib.ROWS_IN)
+_OUT_KINDS = _Outs(h=schedule_lib.ROWS_OUT, residual=schedule_lib.ROWS_OUT,
+                   steps=schedule_lib.ROWS_OUT, halted=schedule_lib.ROWS_OUT)
 
 
 def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
@@ -456,6 +495,62 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
     lax.fori_loop(0, trips, step, 0)
 
 
+def launch(body, p: Any, *, ins, in_kinds, outs, out_kinds, scratch, counts: jax.Array,
+           bound: int, name: str):
+  """Runs a group kernel (forward or backward): a grid over the groups, each
+  program given two scalar-prefetched tables, the running prefix's length at
+  each step (`active_rows`) and each group's longest count, before its refs.
+
+  Not `kernel_toolkit.launch`: the index maps take the grid index and the two
+  tables, and the scratch lives in VMEM or SMEM.
+
+  Args:
+    body: body(active_ref, trips_ref, ins, outs, scratch), refs in the
+      groups' structures.
+    p: the plan (`backend`, `config`, `groups`, `group_rows`).
+    ins, in_kinds: the input groups and their kinds (`schedule_lib.SHARED`:
+      whole; `ROWS_IN`: the group's rows).
+    outs, out_kinds: the outputs' avals and kinds (`ROWS_OUT`: the group's
+      rows; `TILE`: one slot a group, [groups, ...]).
+    scratch: the scratch shapes, in their structure.
+    counts: int32 [B] sorted descending within each group (padding: 0).
+    bound: the counts' static bound (the table's columns).
+    name: the kernel's name.
+
+  Returns:
+    The outputs, in `outs`' structure.
+  """
+  group = p.group_rows
+  tail = lambda a: (0,) * (len(a.shape) - 1)
+  spec_of = {
+      schedule_lib.SHARED: lambda a: pl.BlockSpec(tuple(a.shape),
+                                                  lambda g, act, trips: (0,) * len(a.shape)),
+      schedule_lib.ROWS_IN: lambda a: pl.BlockSpec((group,) + tuple(a.shape[1:]),
+                                                   lambda g, act, trips: (g,) + tail(a)),
+      schedule_lib.TILE: lambda a: pl.BlockSpec((1,) + tuple(a.shape[1:]),
+                                                lambda g, act, trips: (g,) + tail(a))}
+  spec_of[schedule_lib.ROWS_OUT] = spec_of[schedule_lib.ROWS_IN]
+  in_leaves, in_tree = tree_util.tree_flatten(ins)
+  out_leaves, out_tree = tree_util.tree_flatten(outs)
+  scratch_leaves, scratch_tree = tree_util.tree_flatten(scratch)
+  active = active_rows(counts, p.groups, max(bound, 1))
+  trips = jnp.max(counts.reshape(p.groups, group), axis=1).astype(jnp.int32)
+  kernel = toolkit.unflattened(body, in_tree, out_tree, scratch_tree, leading=2)
+  return tree_util.tree_unflatten(out_tree, pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2, grid=(p.groups,),
+          in_specs=[spec_of[k](a) for k, a in zip(toolkit.leaf_kinds(in_kinds, ins), in_leaves)],
+          out_specs=[spec_of[k](a) for k, a in zip(toolkit.leaf_kinds(out_kinds, outs),
+                                                   out_leaves)],
+          scratch_shapes=scratch_leaves),
+      out_shape=out_leaves,
+      compiler_params=p.config.compiler_params,
+      interpret=p.backend.interpret,
+      name=name,
+  )(active, trips, *in_leaves))
+
+
 def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True) -> LoopOutputs:
   """Runs the group kernel on the rows, sorted by descending count.
 
@@ -465,8 +560,7 @@ def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True) -> LoopOutput
       traced step's own constants from `p`).
     residual: track each row's last residual (else it is returned as 0).
   """
-  config = p.config
-  assert not p.problems and config is not None, p.problems
+  assert not p.problems and p.config is not None, p.problems
   track = residual or ops.halting is not None
   group, padded = p.group_rows, p.rows
   max_iters = p.max_iters
@@ -480,40 +574,15 @@ def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True) -> LoopOutput
       steps=column(jnp.int32) if track else None,
       halted=column(jnp.int32) if track else None)
   scratch = _Scratch(alive=pltpu.SMEM((group // p.chunk_rows,), jnp.int32) if track else None)
-  # The group kernel's own launch, not `kernel_toolkit.launch`: its grid
-  # takes the two scalar-prefetched tables (index maps get them too) and
-  # scratch in SMEM. Index maps take the grid index and the two tables.
-  rows_of = lambda a: pl.BlockSpec((group,) + tuple(a.shape[1:]),
-                                   lambda g, act, trips: (g,) + (0,) * (len(a.shape) - 1))
-  whole = lambda a: pl.BlockSpec(tuple(a.shape), lambda g, act, trips: (0,) * len(a.shape))
-  spec_of = {schedule_lib.SHARED: whole, schedule_lib.ROWS_IN: rows_of}
-  out_leaves, out_tree = tree_util.tree_flatten(outs)
-  scratch_leaves, scratch_tree = tree_util.tree_flatten(scratch)
+  body = functools.partial(_kernel, plan=p, elems_per_row=loop_lib.elems_per_row(ops.h0),
+                           track=track, residual=residual)
 
   def on_groups(per_row, counts):
     h_in, x_in, index = per_row  # leaves [B, ...]; index int32 [B] or None
     ins = _Ins(params=params, consts=consts, halting=halting, h=h_in, x=x_in,
                rows=index.reshape(padded, 1) if p.uses_rows else None)
-    in_leaves, in_tree = tree_util.tree_flatten(ins)
-    active = active_rows(counts, p.groups, max(max_iters, 1))
-    trips = jnp.max(counts.reshape(p.groups, group), axis=1).astype(jnp.int32)
-    kernel = toolkit.unflattened(
-        functools.partial(_kernel, plan=p, elems_per_row=loop_lib.elems_per_row(ops.h0),
-                          track=track, residual=residual),
-        in_tree, out_tree, scratch_tree, leading=2)
-    got = tree_util.tree_unflatten(out_tree, pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(p.groups,),
-            in_specs=[spec_of[k](a) for k, a in zip(toolkit.leaf_kinds(_IN_KINDS, ins),
-                                                    in_leaves)],
-            out_specs=[rows_of(a) for a in out_leaves],
-            scratch_shapes=scratch_leaves),
-        out_shape=out_leaves,
-        compiler_params=config.compiler_params,
-        interpret=p.backend.interpret,
-        name=KERNEL_NAME,
-    )(active, trips, *in_leaves))
+    got = launch(body, p, ins=ins, in_kinds=_IN_KINDS, outs=outs, out_kinds=_OUT_KINDS,
+                 scratch=scratch, counts=counts, bound=max_iters, name=KERNEL_NAME)
     stats = [a[:, 0] for a in (got.residual, got.steps, got.halted)] if track else []
     return (got.h, stats), None
 

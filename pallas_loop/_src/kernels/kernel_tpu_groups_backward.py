@@ -68,7 +68,7 @@ KERNEL_NAME = "pallas_loop_iterate_bwd_groups"
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupWindowPlan:
+class GroupWindowPlan(kernel_tpu_groups.GroupLayout):
   """How the group backward kernel will run.
 
   Attributes:
@@ -104,15 +104,6 @@ class GroupWindowPlan:
   config: backend_lib.KernelConfig
   footprint: footprint_lib.Footprint
   problems: tuple[str, ...] = ()
-
-  @property
-  def block_rows(self) -> int:
-    """Rows one evaluation of the step sees (`Options.block_rows`)."""
-    return self.chunk_rows
-
-  @property
-  def groups(self) -> int:
-    return self.rows // self.group_rows
 
   def run(self, ops: WindowOperands, *, sort_rows: bool,
           schedule: str | None = None) -> Gradients:
@@ -187,17 +178,12 @@ def _plan_at(backend, step_fn, params, consts, h, x, chunk, *, bound, every,
     return None
   traced = parts.tile.traced
   batch = tree_util.tree_leaves(h)[0].shape[0]
-  # A chunk is a dynamic slice of the group's rows in VMEM: Mosaic's block
-  # rule applies to it as to a block (`kernel_tpu_groups.plan`).
-  blocks = []
-  for name, tree in (("h", h), ("x", x)):
-    for path, a in tree_util.tree_flatten_with_path(tree)[0]:
-      blocks.append(backend_lib.Block(f"{name}{tree_util.keystr(path)} (a chunk of its rows)",
-                                      (chunk,) + a.shape[1:],
-                                      (tiling.padded_rows(batch, chunk),) + a.shape[1:]))
-      if (backend.platforms and len(a.shape) == 2 and jnp.dtype(a.dtype).itemsize == 2
-          and chunk % 16):
-        return None
+  # A chunk is a dynamic slice of the group's rows in VMEM, under Mosaic's
+  # block rules (`kernel_tpu_groups.chunk_blocks`).
+  blocks, chunk_problems = kernel_tpu_groups.chunk_blocks(backend, batch, chunk,
+                                                          (("h", h), ("x", x)))
+  if chunk_problems:
+    return None
   for path, a in tree_util.tree_flatten_with_path(params)[0]:
     blocks.append(backend_lib.Block(f"params{tree_util.keystr(path)}", toolkit.shared_2d(a),
                                     toolkit.shared_2d(a), row_axis=None))
@@ -248,17 +234,9 @@ def _configure(backend, fp, batch, chunk, h, x, shared_avals, columns, states):
   VMEM holds, double-buffered, the group's row blocks (`_row_blocks`) and the
   shared operands with their float32 per-group gradients; once, `states`
   states a row (the working state, S checkpoints, K segment states); plus a
-  chunk's temporaries with the margin libtpu took over their estimate. G is
-  the most rows (a multiple of C) that fits 7/8 of the physical VMEM, at
-  most a `kernel_tpu_groups.GROUPS`-th of the batch but at least
-  `CHUNKS_PER_GROUP` chunks (`kernel_tpu_groups._group_rows`).
+  chunk's temporaries with the margin libtpu took over their estimate; G as
+  the forward's (`kernel_tpu_groups.group_config`).
   """
-  rules = backend_mosaic_tpu.EVAL_RULES
-  if not backend.platforms:  # interpret mode: no VMEM to fit
-    group = kernel_tpu_groups._group_rows(batch, chunk, limit=None)  # pylint: disable=protected-access
-    return backend_lib.KernelConfig(block_rows=chunk, eval_rules=rules), group
-  default, physical = backend_mosaic_tpu.vmem(backend_lib.device_kind("tpu"))
-  cap = physical * 7 // 8 if physical > default else default
   size = backend_mosaic_tpu.padded_bytes
   per_row = (2 * sum(size(a.shape, a.dtype) for a in _row_blocks(h, x, chunk, columns))
              + states * sum(size(a.shape, a.dtype)
@@ -268,18 +246,9 @@ def _configure(backend, fp, batch, chunk, h, x, shared_avals, columns, states):
            + 2 * sum(size((1,) + tuple(a.shape), "float32") for a in shared_avals)
            + backend_mosaic_tpu.FIXED_SCRATCH
            + int(backend_mosaic_tpu.MARGIN * backend_mosaic_tpu.step_values_bytes(fp)))
-  fits = int((cap - fixed) // per_row) // chunk * chunk
-  if fits < chunk:
-    return None
-  group = kernel_tpu_groups._group_rows(batch, chunk, limit=fits)  # pylint: disable=protected-access
-  need = int(fixed + per_row * group)
-  limit = min(cap, -(-(need + need // 4) // backend_mosaic_tpu.MIB) * backend_mosaic_tpu.MIB)
-  params = pltpu.CompilerParams(dimension_semantics=("parallel",),
-                                vmem_limit_bytes=None if limit <= default else limit)
-  return backend_lib.KernelConfig(
-      block_rows=chunk, compiler_params=params, eval_rules=rules,
-      estimate={"vmem_bytes": need, "vmem_limit_bytes": max(limit, default),
-                "group_rows": group}), group
+  config, group, _ = kernel_tpu_groups.group_config(backend, batch, chunk, per_row=per_row,
+                                                    fixed=fixed)
+  return None if config is None else (config, group)
 
 
 class _Ins(NamedTuple):
@@ -311,9 +280,12 @@ class _Scratch(NamedTuple):
   seg: Any       # [K, G, ...]: a segment's states
 
 
+# How each group is blocked (`kernel_tpu_groups.launch`).
 _IN_KINDS = _Ins(params=schedule_lib.SHARED, consts=schedule_lib.SHARED,
                  h=schedule_lib.ROWS_IN, x=schedule_lib.ROWS_IN, g=schedule_lib.ROWS_IN,
                  t0=schedule_lib.ROWS_IN, rows=schedule_lib.ROWS_IN)
+_OUT_KINDS = _Outs(g_h=schedule_lib.ROWS_OUT, g_x=schedule_lib.ROWS_OUT,
+                   g_shared=schedule_lib.TILE)
 
 
 class _Rows:
@@ -512,42 +484,15 @@ def run(p: GroupWindowPlan, ops: WindowOperands) -> Gradients:
       cur=[vmem((group,) + a.shape[1:], a.dtype) for a in h_leaves],
       ckpt=[vmem((p.checkpoints, group) + a.shape[1:], a.dtype) for a in h_leaves],
       seg=[vmem((p.every, group) + a.shape[1:], a.dtype) for a in h_leaves])
-  zeros_tail = lambda a: (0,) * (len(a.shape) - 1)
-  rows_of = lambda a: pl.BlockSpec((group,) + tuple(a.shape[1:]),
-                                   lambda g, act, trips: (g,) + zeros_tail(a))
-  whole = lambda a: pl.BlockSpec(tuple(a.shape), lambda g, act, trips: (0,) * len(a.shape))
-  per_group = lambda a: pl.BlockSpec((1,) + tuple(a.shape[1:]),
-                                     lambda g, act, trips: (g,) + zeros_tail(a))
-  spec_of = {schedule_lib.SHARED: whole, schedule_lib.ROWS_IN: rows_of}
-  out_leaves, out_tree = tree_util.tree_flatten(outs)
-  out_specs = ([rows_of(a) for a in tree_util.tree_leaves(outs.g_h)]
-               + [rows_of(a) for a in outs.g_x if a is not None]
-               + [per_group(a) for a in outs.g_shared if a is not None])
-  scratch_leaves, scratch_tree = tree_util.tree_flatten(scratch)
 
   def on_groups(per_row, n):
     h_in, x_in, g_in, t0, index = per_row
     column = lambda a: None if a is None else a.reshape(padded, 1)
     ins = _Ins(params=params, consts=consts, h=h_in, x=x_in, g=g_in, t0=column(t0),
                rows=column(index))
-    in_leaves, in_tree = tree_util.tree_flatten(ins)
-    active = kernel_tpu_groups.active_rows(n, p.groups, max(p.bound, 1))
-    trips = jnp.max(n.reshape(p.groups, group), axis=1).astype(jnp.int32)
-    kernel = toolkit.unflattened(functools.partial(_kernel, plan=p),
-                                 in_tree, out_tree, scratch_tree, leading=2)
-    got = tree_util.tree_unflatten(out_tree, pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(p.groups,),
-            in_specs=[spec_of[k](a) for k, a in zip(toolkit.leaf_kinds(_IN_KINDS, ins),
-                                                    in_leaves)],
-            out_specs=out_specs,
-            scratch_shapes=scratch_leaves),
-        out_shape=out_leaves,
-        compiler_params=p.config.compiler_params,
-        interpret=p.backend.interpret,
-        name=KERNEL_NAME,
-    )(active, trips, *in_leaves))
+    got = kernel_tpu_groups.launch(
+        functools.partial(_kernel, plan=p), p, ins=ins, in_kinds=_IN_KINDS, outs=outs,
+        out_kinds=_OUT_KINDS, scratch=scratch, counts=n, bound=p.bound, name=KERNEL_NAME)
     return (tree_util.tree_leaves(got.g_h), got.g_x), got.g_shared
 
   # Only what the kernel reads travels into window order: the first step

@@ -270,6 +270,7 @@ def test_fraction_of_peak_only_where_the_peak_is_known():
   assert all(r["fraction_of_peak"] is None for r in rows)  # CPU: no data-sheet peak
 
 
+@pytest.mark.slow  # 51 s of the quick set's CPU time: a developer's sweep, not a user's command
 def test_ladder_sweep_runs_on_the_smoke_suite(capsys):
   from benchmarks import ladder
   assert ladder.main(["--min-rows", "16,64", "--rounds", "1", "--repeats", "1",

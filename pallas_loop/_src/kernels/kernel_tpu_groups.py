@@ -195,7 +195,7 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
              for i, c in enumerate(traced.const_values)]
   problems += (backend.block_problems(blocks)
                + backend_lib.step_problems(backend, traced.jaxpr, slice_eqns))
-  uses_rows = _reads(traced.jaxpr, len(tree_util.tree_leaves((params, h0, x))) + 1)
+  uses_rows = reads_input(traced.jaxpr, len(tree_util.tree_leaves((params, h0, x))) + 1)
   shared = list(tree_util.tree_leaves(params)) + list(traced.const_values)
   shared_avals = [jax.ShapeDtypeStruct(toolkit.shared_2d(a), jnp.result_type(a))
                   for a in shared]
@@ -244,7 +244,7 @@ def chunk_blocks(backend: backend_lib.Backend, batch: int, chunk: int,
   return blocks, problems
 
 
-def _reads(jaxpr, position: int) -> bool:
+def reads_input(jaxpr, position: int) -> bool:
   """Whether `jaxpr` reads its input at `position`."""
   var = jaxpr.invars[position]
   return any(var in eqn.invars for eqn in backend_lib.iter_eqns(jaxpr)) or var in jaxpr.outvars

@@ -190,9 +190,11 @@ def _plan_at(backend, step_fn, params, consts, h, x, chunk, *, bound, every,
   if (backend.block_problems(blocks) or parts.step_problems
       or backend_lib.step_problems(backend, traced.jaxpr)):
     return None
+  # The traced step's inputs: the params, h and x leaves, then the rows'
+  # step indices [C, 1], their indices in the batch [C, 1], the scalar index.
   position = len(tree_util.tree_leaves((params, h, x)))
-  reads_t = kernel_tpu_groups._reads(traced.jaxpr, position)  # pylint: disable=protected-access
-  reads_rows = kernel_tpu_groups._reads(traced.jaxpr, position + 1)  # pylint: disable=protected-access
+  reads_t = kernel_tpu_groups.reads_input(traced.jaxpr, position)
+  reads_rows = kernel_tpu_groups.reads_input(traced.jaxpr, position + 1)
   shared_avals = [jax.ShapeDtypeStruct(toolkit.shared_2d(a), jnp.result_type(a))
                   for a in parts.shared]
   columns = int(reads_t) + int(reads_rows)

@@ -134,7 +134,8 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
     A `GroupWindowPlan`, or a `kernel_backward.WindowPlan`.
   """
   given_every = every
-  every = every or loop_reverse.default_every(bound)
+  # A segment never holds more states than the window has.
+  every = min(every or loop_reverse.default_every(bound), max(bound, 1))
   tile_kernel = functools.partial(
       kernel_backward.plan, backend, step_fn, params, consts, h, x, block_rows=block_rows,
       bound=bound, every=every, outputs=outputs, approx_tanh=approx_tanh)

@@ -79,20 +79,20 @@ def test_suites_are_well_formed():
   assert {c.d for c in gpu} == {128, 256} and {c.dtype for c in gpu} == {"bfloat16"}
 
 
-def test_run_smoke_suite_with_json(tmp_path):
+def test_main_job_prints_both_tables_and_writes_json(capsys, tmp_path):
+  """The README's main job (CI runs the default suite itself, every
+  implementation): both tables, and the JSON of every case and mode. One
+  implementation here: each is checked against the masked scan on a tiny
+  case by `test_every_implementation_agrees_on_a_tiny_case`."""
   out = tmp_path / "r.json"
-  assert run.main(["--suite", "smoke", "--repeats", "1", "--json", str(out)]) == 0
+  assert run.main(["--suite", "smoke", "--repeats", "1", "--impls", "xla",
+                   "--json", str(out)]) == 0
+  printed = capsys.readouterr().out
+  assert "vs scan" in printed and "per gradient mode" in printed and "Phantom" in printed
   payload = json.loads(out.read_text())
   assert {r["case"] for r in payload["results"]} == {c.label for c in cases.smoke_suite()}
   modes = {r["case"].split(" T=")[1].split(" ", 1)[1] for r in payload["grad_modes"]}
   assert any("Truncated" in m for m in modes) and any("Implicit" in m for m in modes)
-
-
-def test_main_job_prints_both_tables(capsys):
-  """The README's main job (CI runs the default suite itself): both tables."""
-  assert run.main(["--suite", "smoke", "--repeats", "1", "--impls", "xla"]) == 0
-  out = capsys.readouterr().out
-  assert "vs scan" in out and "per gradient mode" in out and "Phantom" in out
 
 
 def test_plot_when_matplotlib_is_installed(tmp_path):

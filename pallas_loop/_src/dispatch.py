@@ -288,9 +288,11 @@ def forward_fn(step_fn: step_fn_lib.StepFn, options: Options, *, max_iters: int,
 def window_fn(step_fn: step_fn_lib.StepFn,
               options: Options) -> Callable[[WindowOperands, int, int | None], Any]:
   """The window VJP `w(ops, bound, every) -> (g_params, g_consts, g_h_start,
-  g_x)`: the fused backward kernel (`kernel_backward.py`) where the forward
-  kernel would run, else XLA (`xla_backward.py`). `bound` (the static bound
-  on n) and `every` (checkpoint interval or None) are static.
+  g_x)`: a fused backward kernel where the forward kernel would run (the
+  backend's own, `Backend.plan_backward`, else the tile kernel every backend
+  shares, `kernel_backward.py`), else XLA (`xla_backward.py`). `bound` (the
+  static bound on n) and `every` (checkpoint interval or None: the kernel's
+  choice) are static.
   """
 
   def window(ops: WindowOperands, bound: int, every: int | None) -> Gradients:

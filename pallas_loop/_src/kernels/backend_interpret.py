@@ -125,7 +125,7 @@ def for_option(interpret: Any) -> backend_lib.Backend:
     return for_target(targets()[interpret])
   target = next(t for t in targets().values()
                 if t.interpret_params and isinstance(interpret, t.interpret_params[0]))
-  # The target's own semantics: its launch and its own forward kernel, interpreted.
+  # The target's own semantics: its launch and its own kernels, interpreted.
   return dataclasses.replace(
       for_target(target), name=f"{target.device_platform}-interpret", interpret=interpret,
       plan_forward=target.plan_forward, plan_backward=target.plan_backward,

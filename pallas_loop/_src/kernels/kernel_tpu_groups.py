@@ -341,6 +341,44 @@ def active_rows(counts: jax.Array, groups: int, max_iters: int) -> jax.Array:
       jnp.int32)
 
 
+class Chunks(NamedTuple):
+  """A group's chunks of C rows, as the group kernels slice them."""
+
+  rows: int  # C
+  one: bool  # the group is one chunk
+
+  def at(self, start):
+    """The rows of the chunk starting at row `start` (a multiple of C).
+
+    With one chunk a group the start is always 0 and is written so: a chunk
+    under 128 rows (a small batch) is no multiple of a 1-D leaf's 128-lane
+    tile, and Mosaic cannot prove a traced start aligned (E2003 on the DEQ
+    solvers' per-row scalars, libtpu 0.0.42.1)."""
+    if self.one:
+      return pl.ds(0, self.rows)
+    return pl.ds(pl.multiple_of(start, self.rows), self.rows)
+
+  def below(self, limit):
+    """bool [C, 1]: the chunk's rows before `limit`."""
+    return lax.broadcasted_iota(jnp.int32, (self.rows, 1), 0) < limit
+
+  def over_prefix(self, n, body) -> None:
+    """body(rows, mask) on the chunks of the group's first `n` rows (sorted
+    rows: those still running): the full ones with mask None, the one
+    partial chunk with its [C, 1] mask, none past it."""
+    full = n // self.rows
+
+    def each(c, carry):
+      body(self.at(c * self.rows), None)
+      return carry
+
+    lax.fori_loop(0, full, each, 0)
+
+    @pl.when(n > full * self.rows)
+    def _():
+      body(self.at(full * self.rows), self.below(n - full * self.rows))
+
+
 class _Ins(NamedTuple):
   """The kernel's input groups (refs in the body; after the two tables)."""
 
@@ -404,18 +442,7 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
     for c in range(plan.group_rows // chunk):
       alive_ref[c] = 1
 
-  one_chunk = plan.group_rows == chunk
-
-  def chunk_at(start):
-    """The rows of the chunk starting at row `start` (a multiple of C).
-
-    With one chunk a group the start is always 0 and is written so: a chunk
-    under 128 rows (a small batch) is no multiple of a 1-D leaf's 128-lane
-    tile, and Mosaic cannot prove a traced start aligned (E2003 on the DEQ
-    solvers' per-row scalars, libtpu 0.0.42.1)."""
-    if one_chunk:
-      return pl.ds(0, chunk)
-    return pl.ds(pl.multiple_of(start, chunk), chunk)
+  chunks = Chunks(chunk, one=plan.group_rows == chunk)
 
   def evaluate(t, rows):
     h = tree_util.tree_map(lambda ref: ref[rows], outs.h)
@@ -429,27 +456,13 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
     for ref, leaf in zip(tree_util.tree_leaves(outs.h), tree_util.tree_leaves(h)):
       ref[rows] = leaf
 
-  def below(limit):
-    """bool [C, 1]: the chunk's rows before `limit`."""
-    return lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < limit
-
   def untracked_step(t):
     # Rows are a prefix: full chunks unmasked, the partial one masked.
-    n = active_ref[g, t]
-    full = n // chunk
-
-    def body(c, carry):
-      rows = chunk_at(c * chunk)
-      store(rows, evaluate(t, rows)[1])
-      return carry
-
-    lax.fori_loop(0, full, body, 0)
-
-    @pl.when(n > full * chunk)
-    def _():
-      rows = chunk_at(full * chunk)
+    def body(rows, mask):
       h, h_new, _ = evaluate(t, rows)
-      store(rows, loop_lib.select_rows(below(n - full * chunk), h_new, h))
+      store(rows, h_new if mask is None else loop_lib.select_rows(mask, h_new, h))
+
+    chunks.over_prefix(active_ref[g, t], body)
 
   def tracked_step(t):
     # Every chunk of the prefix that still has a running row: the rows
@@ -461,19 +474,20 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
 
     def body(c, alive_next):
       start = c * chunk
-      rows = chunk_at(start)
+      rows = chunks.at(start)
 
       @pl.when(alive_ref[c] > 0)
       def _():
         h, h_new, flag = evaluate(t, rows)
         s = loop_lib.LoopState(h, residual_ref[rows], steps_ref[rows], halted_ref[rows])
-        running = below(n - start) & (s.halted == 0)
+        running = chunks.below(n - start) & (s.halted == 0)
         s = loop_lib.apply_update(s, running, t, h_new, flag, halting, elems_per_row, residual)
         store(rows, s.h)
         residual_ref[rows] = s.residual
         steps_ref[rows] = s.steps
         halted_ref[rows] = s.halted
-        alive_ref[c] = jnp.max((below(n_next - start) & (s.halted == 0)).astype(jnp.int32))
+        alive_ref[c] = jnp.max(
+            (chunks.below(n_next - start) & (s.halted == 0)).astype(jnp.int32))
 
       return jnp.maximum(alive_next, alive_ref[c])
 

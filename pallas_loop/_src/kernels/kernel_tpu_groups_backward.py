@@ -329,18 +329,7 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
   for src, dst in zip(tree_util.tree_leaves(ins.h), scratch.cur):
     dst[...] = src[...]
 
-  one_chunk = plan.group_rows == chunk
-
-  def chunk_at(start):
-    """The chunk of rows from `start` (a multiple of C; 0, written so, with
-    one chunk a group: `kernel_tpu_groups._kernel` says why)."""
-    if one_chunk:
-      return pl.ds(0, chunk)
-    return pl.ds(pl.multiple_of(start, chunk), chunk)
-
-  def below(limit):
-    """bool [C, 1]: the chunk's rows before `limit`."""
-    return lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < limit
+  chunks = kernel_tpu_groups.Chunks(chunk, one=plan.group_rows == chunk)
 
   def read(refs, rows, slot=None):
     leaves = [r[rows] if slot is None else r[slot, rows] for r in refs]
@@ -365,22 +354,6 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
     params, consts = shared
     return plan.traced.apply(consts, params, h, x, t, rows, index, rules=rules)[:2]
 
-  def over_prefix(w, body):
-    """body(rows, mask) on the chunks of the rows that apply window step w:
-    the full ones with mask None, the partial one with its [C, 1] mask."""
-    n = active_ref[g, w]
-    full = n // chunk
-
-    def each(c, carry):
-      body(chunk_at(c * chunk), None)
-      return carry
-
-    lax.fori_loop(0, full, each, 0)
-
-    @pl.when(n > full * chunk)
-    def _():
-      body(chunk_at(full * chunk), below(n - full * chunk))
-
   def advance(w, src, dst, src_slot=None, dst_slot=None):
     """dst = the state after window step w (rows that do not apply it keep src's)."""
     def body(rows, mask):
@@ -389,7 +362,7 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
       h_new = step(shared, h, x, t, ids, w)[0]
       write(dst, rows, h_new if mask is None else loop_lib.select_rows(mask, h_new, h),
             dst_slot)
-    over_prefix(w, body)
+    chunks.over_prefix(active_ref[g, w], body)
 
   trips = trips_ref[g]
   n_seg = (trips + every - 1) // every
@@ -449,7 +422,7 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
         write(tree_util.tree_leaves(outs.g_h), rows,
               d_h if mask is None else loop_lib.select_rows(mask, d_h, ct))
 
-      over_prefix(w, body)
+      chunks.over_prefix(active_ref[g, w], body)
       return carry
 
     lax.fori_loop(0, length, back, 0)

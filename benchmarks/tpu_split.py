@@ -14,6 +14,13 @@ for the tanh RNN (D=128, bfloat16) inside one `jit` as `gpu_check` does
                 kernel's flags around a loop that does nothing
   sorted G=.., C=..  the sorted forward with the group kernel's groups per
                 batch (`GROUPS`) or chunk (`LARGEST_CHUNK`) changed
+  whole/sorted C=..  (`--chunks`) the forward at other chunk heights
+                (`Options(block_rows=C)`)
+
+With `--grad`: `jax.grad` of the output's sum w.r.t. (params, h0), as
+`gpu_check` times it (`harness._make_fn`), for the masked scan, `whole` and
+`sorted` (both the forward's and the backward's permutations skipped): the
+difference is what the two permutations cost a training step.
 
     python -m benchmarks.tpu_split [--out split.jsonl] [--batches 32768,4096]
 
@@ -46,6 +53,10 @@ def main(argv=None) -> int:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--variants", action="store_true",
                       help="also the sorted forward with other groups and chunks")
+  parser.add_argument("--chunks", default="",
+                      help="comma-separated chunk heights: the forward at each (whole and sorted)")
+  parser.add_argument("--grad", action="store_true",
+                      help="time jax.grad (masked scan, whole, sorted) instead of the forward")
   args = parser.parse_args(argv)
   write = device_timing.json_lines(args.out)
 
@@ -76,6 +87,17 @@ def main(argv=None) -> int:
         return tiling.in_tiles(run, (h, r["x"], None), r["iters"], rows=batch, sort=True,
                                must_be_finite=False, skip_if_sorted=True, invert_by_sort=True)[0]
 
+      if args.grad:
+        gcase = cases._case("tanh_rnn", batch, 128, dist, dtype="bfloat16", grad="full")  # pylint: disable=protected-access
+        grads = {n: harness._chained(gcase, harness._make_fn(gcase, n, step, {}), params)  # pylint: disable=protected-access
+                 for n in ("masked_scan", "pallas")}
+        variants = {
+            "grad masked_scan": lambda h, r: grads["masked_scan"](h, r),
+            "grad whole": lambda h, r: grads["pallas"](h, r),
+            "grad sorted": lambda h, r: grads["pallas"](h, dict(r, iters=sorted_iters(r))),
+        }
+        _time(variants, case, h0, inputs, useful, floor, args.repeats, write)
+        continue
       variants = {
           "masked_scan": lambda h, r: masked(params, h, r["x"], r["iters"]),
           "whole": lambda h, r: pallas(params, h, r["x"], r["iters"]),
@@ -98,31 +120,44 @@ def main(argv=None) -> int:
 
         variants["sort pairs"] = sort_pairs
         variants["sort packed"] = sort_packed
+      for chunk in (int(c) for c in args.chunks.split(",") if c):
+        opts = pallas_loop.Options(block_rows=chunk)
+        run_at = (lambda p, h, x_, k, opts=opts: pallas_loop.iterate(
+            step, p, h, x_, iters=k, max_iters=case.max_iters, options=opts))
+        variants[f"whole C={chunk}"] = (lambda h, r, f=run_at: f(params, h, r["x"], r["iters"]))
+        variants[f"sorted C={chunk}"] = (lambda h, r, f=run_at: f(params, h, r["x"],
+                                                                sorted_iters(r)))
       if args.variants:
         for groups in (1, 2, 8):
           variants[f"sorted G={groups}"] = (groups, None)
         for chunk in (1024,):
           variants[f"sorted C={chunk}"] = (None, chunk)
       for name, fn in variants.items():
-        rec = {"what": "split", "case": case.label, "variant": name}
-        try:
+        if isinstance(fn, tuple):
+          groups, chunk = fn
           values = {}
-          if isinstance(fn, tuple):
-            groups, chunk = fn
-            if groups:
-              values["GROUPS"] = groups
-            if chunk:
-              values["LARGEST_CHUNK"] = chunk
-            fn = (lambda h, r, values=values: tpu_design._traced_with(  # pylint: disable=protected-access
-                kernel_tpu_groups, values, pallas, params, h, r["x"], sorted_iters(r)))
-          secs, chain = device_timing.chained_seconds(fn, h0, inputs, repeats=args.repeats,
-                                                      floor=floor)
-          rec.update(ms=secs * 1e3, ns_per_row_step=secs * 1e9 / useful, chain=chain,
-                     floor_ms=floor * 1e3)
-        except Exception as e:  # noqa: BLE001 - a variant that fails is a finding
-          rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-        write(rec)
+          if groups:
+            values["GROUPS"] = groups
+          if chunk:
+            values["LARGEST_CHUNK"] = chunk
+          variants[name] = (lambda h, r, values=values: tpu_design._traced_with(  # pylint: disable=protected-access
+              kernel_tpu_groups, values, pallas, params, h, r["x"], sorted_iters(r)))
+      _time(variants, case, h0, inputs, useful, floor, args.repeats, write)
   return 0
+
+
+def _time(variants, case, h0, inputs, useful, floor, repeats, write) -> None:
+  """Times each variant (apply(h, inputs) -> h), a JSON line each."""
+  for name, fn in variants.items():
+    rec = {"what": "split", "case": case.label, "variant": name}
+    try:
+      secs, chain = device_timing.chained_seconds(fn, h0, inputs, repeats=repeats,
+                                                  floor=floor)
+      rec.update(ms=secs * 1e3, ns_per_row_step=secs * 1e9 / useful, chain=chain,
+                 floor_ms=floor * 1e3)
+    except Exception as e:  # noqa: BLE001 - a variant that fails is a finding
+      rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+    write(rec)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ for the tanh RNN (D=128, bfloat16) inside one `jit` as `gpu_check` does
                 batch (`GROUPS`) or chunk (`LARGEST_CHUNK`) changed
   whole/sorted C=..  (`--chunks`) the forward at other chunk heights
                 (`Options(block_rows=C)`)
+  whole/sorted no pieces  (`--pieces`) the partial chunk always at the
+                chunk's height (`kernel_tpu_groups.SMALLEST_PIECE` out of reach)
 
 With `--grad`: `jax.grad` of the output's sum w.r.t. (params, h0), as
 `gpu_check` times it (`harness._make_fn`), for the masked scan, `whole` and
@@ -55,6 +57,8 @@ def main(argv=None) -> int:
                       help="also the sorted forward with other groups and chunks")
   parser.add_argument("--chunks", default="",
                       help="comma-separated chunk heights: the forward at each (whole and sorted)")
+  parser.add_argument("--pieces", action="store_true",
+                      help="also the forward with the partial chunk always at the chunk's height")
   parser.add_argument("--grad", action="store_true",
                       help="time jax.grad (masked scan, whole, sorted) instead of the forward")
   args = parser.parse_args(argv)
@@ -96,6 +100,9 @@ def main(argv=None) -> int:
             "grad whole": lambda h, r: grads["pallas"](h, r),
             "grad sorted": lambda h, r: grads["pallas"](h, dict(r, iters=sorted_iters(r))),
         }
+        if args.pieces:
+          variants["grad whole no pieces"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
+              kernel_tpu_groups, {"SMALLEST_PIECE": 1 << 30}, grads["pallas"], h, r)
         _time(variants, case, h0, inputs, useful, floor, args.repeats, write)
         continue
       variants = {
@@ -127,21 +134,20 @@ def main(argv=None) -> int:
         variants[f"whole C={chunk}"] = (lambda h, r, f=run_at: f(params, h, r["x"], r["iters"]))
         variants[f"sorted C={chunk}"] = (lambda h, r, f=run_at: f(params, h, r["x"],
                                                                 sorted_iters(r)))
+      if args.pieces:
+        variants["whole no pieces"] = ({"SMALLEST_PIECE": 1 << 30}, False)
+        variants["sorted no pieces"] = ({"SMALLEST_PIECE": 1 << 30}, True)
       if args.variants:
         for groups in (1, 2, 8):
-          variants[f"sorted G={groups}"] = (groups, None)
+          variants[f"sorted G={groups}"] = ({"GROUPS": groups}, True)
         for chunk in (1024,):
-          variants[f"sorted C={chunk}"] = (None, chunk)
+          variants[f"sorted C={chunk}"] = ({"LARGEST_CHUNK": chunk}, True)
       for name, fn in variants.items():
-        if isinstance(fn, tuple):
-          groups, chunk = fn
-          values = {}
-          if groups:
-            values["GROUPS"] = groups
-          if chunk:
-            values["LARGEST_CHUNK"] = chunk
-          variants[name] = (lambda h, r, values=values: tpu_design._traced_with(  # pylint: disable=protected-access
-              kernel_tpu_groups, values, pallas, params, h, r["x"], sorted_iters(r)))
+        if isinstance(fn, tuple):  # the group kernel's constants patched while traced
+          values, in_order = fn
+          variants[name] = (lambda h, r, values=values, in_order=in_order: tpu_design._traced_with(  # pylint: disable=protected-access
+              kernel_tpu_groups, values, pallas, params, h, r["x"],
+              sorted_iters(r) if in_order else r["iters"]))
       _time(variants, case, h0, inputs, useful, floor, args.repeats, write)
   return 0
 

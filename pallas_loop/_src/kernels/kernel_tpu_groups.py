@@ -78,6 +78,51 @@ SMALLEST_CHUNK = 128
 GROUPS = 4
 # Chunks a group holds at least (a group's fixed cost a step is spread over them).
 CHUNKS_PER_GROUP = 4
+# The one partial chunk of a step (where the running prefix ends) runs at the
+# fewest of C, C/2 or C/4 rows that hold its running rows: with the chunk's
+# fixed cost of ~120 ns and 0.236 ns a row, 512 rows cost 241 ns against 603
+# for 2048. A piece under this many rows saves too little (~60 ns at 256 rows
+# against 512) to be worth the step compiled at one more shape.
+SMALLEST_PIECE = 256
+
+
+def piece_rows(chunk: int) -> tuple[int, ...]:
+  """The heights under C a step's partial chunk may run at: C/2 and C/4,
+  those of at least `SMALLEST_PIECE` rows.
+
+  Example:
+    >>> piece_rows(2048), piece_rows(512), piece_rows(256)
+    ((1024, 512), (256,), ())
+  """
+  return tuple(r for r in (chunk // 2, chunk // 4) if r >= SMALLEST_PIECE)
+
+
+def trace_pieces(step_fn: step_fn_lib.StepFn, params, consts, h, x, chunk: int,
+                 traced: step_fn_lib.SpecializedStep) -> tuple[tuple[int, Any], ...]:
+  """(rows, the step traced at them) for each of `piece_rows(chunk)`
+  (descending), or () where a piece's trace has constants other than the
+  chunk's (the kernel passes the chunk's to every evaluation)."""
+  pieces = []
+  for rows in piece_rows(chunk):
+    piece = step_fn.specialize(params, consts, step_fn_lib.avals(h, rows),
+                               step_fn_lib.avals(x, rows))
+    if not _same_constants(piece, traced):
+      return ()
+    pieces.append((rows, piece))
+  return tuple(pieces)
+
+
+def _same_constants(a: step_fn_lib.SpecializedStep, b: step_fn_lib.SpecializedStep) -> bool:
+  if a.sources != b.sources or len(a.const_values) != len(b.const_values):
+    return False
+  for u, v in zip(a.const_values, b.const_values):
+    if u is v:
+      continue
+    if isinstance(u, jax.core.Tracer) or isinstance(v, jax.core.Tracer):
+      return False
+    if np.shape(u) != np.shape(v) or not np.array_equal(np.asarray(u), np.asarray(v)):
+      return False
+  return True
 
 
 class GroupLayout:
@@ -116,6 +161,8 @@ class GroupPlan(GroupLayout):
     uses_rows: the step reads its rows' indices (keys): the kernel then
       reads a [G, 1] column of them.
     max_iters: T, the counts' bound (the active table's columns).
+    pieces: (rows, the step traced at them) for a step's partial chunk
+      (`trace_pieces`).
   """
 
   backend: backend_lib.Backend
@@ -131,6 +178,7 @@ class GroupPlan(GroupLayout):
   sliced: frozenset[int] = frozenset()
   uses_rows: bool = False
   max_iters: int = 0
+  pieces: tuple = ()
 
   def run(self, ops: LoopOperands, *, sort_rows: bool, residual: bool = True,
           schedule: str | None = None) -> LoopOutputs:
@@ -218,7 +266,8 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
       param_shapes=tuple(np.shape(a) for a in tree_util.tree_leaves(params)),
       const_shapes=tuple(np.shape(c) for c in traced.const_values),
       config=config, footprint=fp, problems=tuple(problems + config_problems),
-      sliced=frozenset(sliced), uses_rows=uses_rows, max_iters=max_iters)
+      sliced=frozenset(sliced), uses_rows=uses_rows, max_iters=max_iters,
+      pieces=trace_pieces(step_fn, params, consts, h0, x, chunk, traced))
 
 
 def chunk_blocks(backend: backend_lib.Backend, batch: int, chunk: int,
@@ -346,26 +395,29 @@ class Chunks(NamedTuple):
 
   rows: int  # C
   one: bool  # the group is one chunk
+  pieces: tuple[int, ...] = ()  # heights under C for the partial chunk, descending
 
-  def at(self, start):
-    """The rows of the chunk starting at row `start` (a multiple of C).
+  def at(self, start, height: int | None = None):
+    """The `height` rows (default C) from row `start` (a multiple of C).
 
     With one chunk a group the start is always 0 and is written so: a chunk
     under 128 rows (a small batch) is no multiple of a 1-D leaf's 128-lane
     tile, and Mosaic cannot prove a traced start aligned (E2003 on the DEQ
     solvers' per-row scalars, libtpu 0.0.42.1)."""
+    height = height or self.rows
     if self.one:
-      return pl.ds(0, self.rows)
-    return pl.ds(pl.multiple_of(start, self.rows), self.rows)
+      return pl.ds(0, height)
+    return pl.ds(pl.multiple_of(start, self.rows), height)
 
-  def below(self, limit):
-    """bool [C, 1]: the chunk's rows before `limit`."""
-    return lax.broadcasted_iota(jnp.int32, (self.rows, 1), 0) < limit
+  def below(self, limit, height: int | None = None):
+    """bool [height, 1] (default C): the rows before `limit`."""
+    return lax.broadcasted_iota(jnp.int32, (height or self.rows, 1), 0) < limit
 
   def over_prefix(self, n, body) -> None:
     """body(rows, mask) on the chunks of the group's first `n` rows (sorted
     rows: those still running): the full ones with mask None, the one
-    partial chunk with its [C, 1] mask, none past it."""
+    partial chunk with its [height, 1] mask, at the least of C and `pieces`
+    that holds its running rows, none past it."""
     full = n // self.rows
 
     def each(c, carry):
@@ -373,10 +425,14 @@ class Chunks(NamedTuple):
       return carry
 
     lax.fori_loop(0, full, each, 0)
+    rest = n - full * self.rows
+    heights = (self.rows,) + self.pieces
+    for k, height in enumerate(heights):
+      lower = heights[k + 1] if k + 1 < len(heights) else 0
 
-    @pl.when(n > full * self.rows)
-    def _():
-      body(self.at(full * self.rows), self.below(n - full * self.rows))
+      @pl.when((rest > lower) & (rest <= height))
+      def _(height=height):
+        body(self.at(full * self.rows, height), self.below(rest, height))
 
 
 class _Ins(NamedTuple):
@@ -442,14 +498,18 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
     for c in range(plan.group_rows // chunk):
       alive_ref[c] = 1
 
-  chunks = Chunks(chunk, one=plan.group_rows == chunk)
+  chunks = Chunks(chunk, one=plan.group_rows == chunk,
+                  pieces=tuple(rows for rows, _ in plan.pieces))
+  traced_at = {chunk: plan.traced, **dict(plan.pieces)}
 
   def evaluate(t, rows):
+    height = rows.size
     h = tree_util.tree_map(lambda ref: ref[rows], outs.h)
     x = tree_util.tree_map(lambda ref: ref[rows], ins.x)
-    ids = ins.rows[rows] if ins.rows is not None else jnp.zeros((chunk, 1), jnp.int32)
-    h_new, _, flag = plan.traced.apply(consts, params, h, x, jnp.full((chunk, 1), t, jnp.int32),
-                                       ids, t, rules=rules)
+    ids = ins.rows[rows] if ins.rows is not None else jnp.zeros((height, 1), jnp.int32)
+    h_new, _, flag = traced_at[height].apply(consts, params, h, x,
+                                             jnp.full((height, 1), t, jnp.int32), ids, t,
+                                             rules=rules)
     return h, h_new, flag
 
   def store(rows, h):

@@ -86,6 +86,8 @@ class GroupWindowPlan(kernel_tpu_groups.GroupLayout):
       in the caller's batch (keys): the kernel then reads [G, 1] columns.
     config: the kernel's configuration.
     footprint: what one chunk's VJP holds.
+    pieces: (rows, the step traced at them) for a window step's partial
+      chunk (`kernel_tpu_groups.trace_pieces`).
   """
 
   backend: backend_lib.Backend
@@ -104,6 +106,7 @@ class GroupWindowPlan(kernel_tpu_groups.GroupLayout):
   config: backend_lib.KernelConfig
   footprint: footprint_lib.Footprint
   problems: tuple[str, ...] = ()
+  pieces: tuple = ()
 
   def run(self, ops: WindowOperands, *, sort_rows: bool,
           schedule: str | None = None) -> Gradients:
@@ -218,7 +221,8 @@ def _plan_at(backend, step_fn, params, consts, h, x, chunk, *, bound, every,
       shared_shapes=tuple(np.shape(a) for a in parts.shared),
       shared_float=parts.shared_float,
       x_float=tuple(loop_reverse.is_float(a) for a in tree_util.tree_leaves(x)),
-      reads_t=reads_t, reads_rows=reads_rows, config=config, footprint=fp)
+      reads_t=reads_t, reads_rows=reads_rows, config=config, footprint=fp,
+      pieces=kernel_tpu_groups.trace_pieces(step_fn, params, consts, h, x, chunk, traced))
 
 
 def _row_blocks(h, x, rows: int, columns: int) -> list:
@@ -329,7 +333,9 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
   for src, dst in zip(tree_util.tree_leaves(ins.h), scratch.cur):
     dst[...] = src[...]
 
-  chunks = kernel_tpu_groups.Chunks(chunk, one=plan.group_rows == chunk)
+  chunks = kernel_tpu_groups.Chunks(chunk, one=plan.group_rows == chunk,
+                                    pieces=tuple(rows for rows, _ in plan.pieces))
+  traced_at = {chunk: plan.traced, **dict(plan.pieces)}
 
   def read(refs, rows, slot=None):
     leaves = [r[rows] if slot is None else r[slot, rows] for r in refs]
@@ -345,14 +351,15 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
   def operands(w, rows):
     """(x, t, row ids) of the chunk at window step w."""
     x = tree_util.tree_map(lambda r: r[rows], ins.x)
-    zeros = jnp.zeros((chunk, 1), jnp.int32)
+    zeros = jnp.zeros((rows.size, 1), jnp.int32)
     t = ins.t0[rows] + w if plan.reads_t else zeros
     ids = ins.rows[rows] if plan.reads_rows else zeros
     return x, t, ids
 
   def step(shared, h, x, t, rows, index, rules=rules):
     params, consts = shared
-    return plan.traced.apply(consts, params, h, x, t, rows, index, rules=rules)[:2]
+    traced = traced_at[tree_util.tree_leaves(h)[0].shape[0]]  # the chunk's or a piece's
+    return traced.apply(consts, params, h, x, t, rows, index, rules=rules)[:2]
 
   def advance(w, src, dst, src_slot=None, dst_slot=None):
     """dst = the state after window step w (rows that do not apply it keep src's)."""
@@ -417,7 +424,7 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
         else:
           ct_in = ct
         acc_x = kernel_backward.RefSum(
-            [None if r is None else _Rows(r, rows, chunk) for r in outs.g_x])
+            [None if r is None else _Rows(r, rows, rows.size) for r in outs.g_x])
         d_h, _, _ = vjp(None, shared, h, x, t, ids, w, ct_in, None, acc_shared, acc_x)
         write(tree_util.tree_leaves(outs.g_h), rows,
               d_h if mask is None else loop_lib.select_rows(mask, d_h, ct))

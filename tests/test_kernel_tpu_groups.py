@@ -214,3 +214,39 @@ def test_a_1d_leaf_is_sliced_where_mosaic_can_prove_it(batch):
                                 max_iters=8)
   assert (plan.problems or plan.group_rows == plan.chunk_rows
           or plan.chunk_rows % 128 == 0), (plan.chunk_rows, plan.group_rows)
+
+
+@pytest.mark.parametrize("pattern", ["ragged", "one_long_per_tile", "descending"])
+@pytest.mark.parametrize("block,dtype", [("tanh_rnn", "bfloat16"), ("lstm", "float32")])
+def test_partial_chunk_pieces(monkeypatch, pattern, block, dtype):
+  # A step's partial chunk runs at C/2 or C/4 rows where those hold its
+  # running rows: with 8-row pieces allowed, 32-row chunks run pieces of 16
+  # and 8 rows, the rows past the prefix inside a piece masked.
+  monkeypatch.setattr(kernel_tpu_groups, "SMALLEST_PIECE", 8)
+  step, params, h0, x = blocks.make(block, 150, 16, jnp.dtype(dtype))
+  n = np.asarray(cases.counts("ragged" if pattern == "descending" else pattern, 150, seed=3))
+  if pattern == "descending":
+    n = np.sort(n)[::-1].copy()
+  kw = dict(iters=jnp.asarray(n), max_iters=cases.MAX_ITERS)
+  got, plans = _run(step, params, h0, x, block_rows=32, **kw)
+  assert [rows for rows, _ in plans[0].pieces] == [16, 8]
+  want, want_f32 = oracle.reference_pair(step, params, h0, x, **kw)
+  oracle.assert_trees_close(got, want, want_f32)
+
+
+def test_pieces_need_the_chunks_constants():
+  # A constant the step makes at the batch's shape differs at a piece's
+  # height: no pieces then (the kernel passes the chunk's constants).
+  big = lambda p, h, x: h * p + jnp.asarray(np.arange(h.shape[0] * h.shape[1], dtype=np.float32)
+                                            .reshape(h.shape))
+  small = lambda p, h, x: jnp.tanh(h * p + x)
+  for step, pieces in ((big, 0), (small, 2)):
+    fn = step_fn.StepFn.closing_over(step, jnp.float32(0.5), jnp.ones((64, 8)), jnp.ones((64, 8)))
+    rows = jnp.ones((64, 8))
+    traced = fn.specialize(jnp.float32(0.5), fn.outer_consts, step_fn.avals(rows, 32),
+                           step_fn.avals(rows, 32))
+    with pytest.MonkeyPatch.context() as m:
+      m.setattr(kernel_tpu_groups, "SMALLEST_PIECE", 8)
+      got = kernel_tpu_groups.trace_pieces(fn, jnp.float32(0.5), fn.outer_consts, rows, rows,
+                                           32, traced)
+    assert len(got) == pieces

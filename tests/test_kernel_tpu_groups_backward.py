@@ -20,6 +20,7 @@ from pallas_loop import _reference as reference
 from pallas_loop._src import dispatch
 from pallas_loop._src.kernels import backend_mosaic_tpu
 from pallas_loop._src.kernels import kernel_backward
+from pallas_loop._src.kernels import kernel_tpu_groups
 from pallas_loop._src.kernels import kernel_tpu_groups_backward as groups_backward
 from pallas_loop._src.step import step_fn
 from benchmarks import blocks
@@ -202,3 +203,21 @@ def test_sum_of_groups_is_deterministic():
   b, _, _ = _grads(step, params, h0, x, iters=n, max_iters=cases.MAX_ITERS)
   for u, v in zip(_floats(a), _floats(b)):
     np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.parametrize("block,dtype", [("tanh_rnn", "float32"), ("lstm", "bfloat16")])
+def test_partial_chunk_pieces(monkeypatch, block, dtype):
+  # Every pass's partial chunk (checkpointing, recompute, reverse) at C/2 or
+  # C/4 rows where those hold the rows whose window has the step: with 8-row
+  # pieces allowed, 32-row chunks run pieces of 16 and 8 rows.
+  monkeypatch.setattr(kernel_tpu_groups, "SMALLEST_PIECE", 8)
+  step, params, h0, x = blocks.make(block, 150, 16, jnp.dtype(dtype))
+  n = cases.counts("ragged", 150, seed=5)
+  got, want, plans = _grads(step, params, h0, x, block_rows=32, iters=n,
+                            max_iters=cases.MAX_ITERS,
+                            grad=pallas_loop.Full(checkpoint_every=3))
+  assert plans and [rows for rows, _ in plans[0].pieces] == [16, 8]
+  if dtype == "bfloat16":
+    oracle.assert_trees_close(_floats(got), _floats(want[0]), _floats(want[1]))
+  else:
+    oracle.assert_trees_close(_floats(got), _floats(want))

@@ -16,7 +16,6 @@ from jax import lax
 from jax import tree_util
 import jax.numpy as jnp
 
-from pallas_loop._src import count_order
 from pallas_loop._src import dispatch
 from pallas_loop._src import grad_modes
 from pallas_loop._src.step import hoist as hoist_lib
@@ -205,9 +204,6 @@ def iterate(
   if hoisted is not None:
     loop = _with_residuals(hoisted, loop)
     loop_params = (params, list(hoisted.consts))
-  # Rows sorted by count once for the forward and the backward, where the
-  # TPU's kernels run them (`count_order.py`).
-  loop = count_order.in_count_order(loop, options)
   # Rows sharded over explicit mesh axes: run the loop (differentiable, and
   # the hoisted residuals before it) on each device's own rows
   # (`sharding.py`); else the loop itself.

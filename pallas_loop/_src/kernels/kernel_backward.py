@@ -431,7 +431,7 @@ def run(wp: WindowPlan, ops: WindowOperands, *, sort_rows: bool, schedule: str |
     (g_h, g_x), tile_sums = tiling.in_tiles(
         on_tiles, (ops.h_start, ops.x, ops.g, ops.t0, ops.row_ids, g_ys_in),
         ops.n, rows=padded,
-        sort=sort_rows, must_be_finite=True, skip_if_sorted=True)  # rows in order stay
+        sort=sort_rows, must_be_finite=True)
   else:  # rows read and written by index, in the caller's order
     g_ys = [toolkit.to_output_layout(a) for a in g_ys_in]
     # The padding positions read a window length of 0 (no step: no gradient).

@@ -293,7 +293,7 @@ def run(tile_plan: TilePlan, ops: LoopOperands, *, sort_rows: bool,
   if not tile_plan.backend.indexed_rows or batch == 0:
     (h, residual_out, steps, halted, ys_out), _ = tiling.in_tiles(
         on_tiles, (ops.h0, ops.x, ops.row_ids), ops.counts, rows=padded, sort=sort_rows,
-        must_be_finite=False, skip_if_sorted=True)  # rows `count_order` sorted stay
+        must_be_finite=False)
   else:  # rows read and written by index, in the caller's order
     load, store = tiling.slot_rows(ops.counts, padded, sort=sort_rows)
     n_programs = toolkit.tile_count_programs(tile_plan.backend, config, tiles, schedule,

@@ -18,7 +18,9 @@ the whole loop (the state lives in the output block). Rows are sorted by
 descending count, so at step t the rows still running by count are a prefix
 of the group, of `active[g, t]` rows (a table scalar-prefetched to SMEM):
 the step is evaluated on the prefix's full chunks of C rows unmasked, on the
-one partial chunk masked, and not at all past it. Without halting and
+one partial chunk masked (at C, C/2 or C/4 rows, the least that holds its
+running rows: the step is traced at those heights too), and not at all past
+it. Without halting and
 without a returned residual nothing per row is tracked in the loop (each
 row's steps are its count). With them, the per-row columns (residual, steps,
 halted: [G, 1]) live in output blocks, `loop.apply_update` (the rule every

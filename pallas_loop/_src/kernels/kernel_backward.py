@@ -80,8 +80,8 @@ tree_util.register_pytree_node(RefBuffer, lambda s: ((), s), lambda s, _: s)
 tree_util.register_pytree_node(RefSum, lambda s: ((), s), lambda s, _: s)
 
 
-def _float_vjp(step, shared, h, x, t, rows, index, ct, ct_y, acc_shared: RefSum, acc_x: RefSum, *,
-               rules: jaxpr_eval.Rules, plain_step, shared_float):
+def float_vjp(step, shared, h, x, t, rows, index, ct, ct_y, acc_shared: RefSum, acc_x: RefSum, *,
+              rules: jaxpr_eval.Rules, plain_step, shared_float):
   """The step's VJP w.r.t. the float leaves only, with single-dtype dots
   (`jaxpr_eval.py`: Triton rejects mixed-dtype dots), each shared-operand and
   input gradient added to its ref where it is computed.
@@ -187,7 +187,7 @@ def _window_kernel(ins: _Ins, outs: _Outs, *, wp, every):
       step, shared, h, x, ins.t0[...], ins.n[...], ins.rows[...], g, every=every,
       ckpt=RefBuffer(outs.ckpt, h_tree), seg=RefBuffer(outs.seg, h_tree),
       acc_shared=RefSum(outs.g_shared), acc_x=RefSum(outs.g_x),
-      vjp=functools.partial(_float_vjp, rules=wp.config.eval_rules,
+      vjp=functools.partial(float_vjp, rules=wp.config.eval_rules,
                             plain_step=functools.partial(step, rules=None),
                             shared_float=wp.shared_float),
       aligned=wp.aligned,

@@ -21,7 +21,7 @@ chunk masked, none past it):
      VMEM checkpoint buffer [S, G, ...];
   2. per segment, last first: its K states recomputed from its checkpoint
      into a VMEM segment buffer [K, G, ...];
-  3. the segment reversed: the step's VJP (`kernel_backward._float_vjp`, the
+  3. the segment reversed: the step's VJP (`kernel_backward.float_vjp`, the
      tile kernel's) at each state, the cotangent [G, ...] updated in place in
      its output block, the shared operands' gradients summed per group in
      float32 and the inputs' per row.
@@ -392,7 +392,7 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
     for r, c in zip(scratch.cur, scratch.ckpt):
       c[n_seg - 1] = r[...]
 
-  vjp = functools.partial(kernel_backward._float_vjp, rules=rules,  # pylint: disable=protected-access
+  vjp = functools.partial(kernel_backward.float_vjp, rules=rules,
                           plain_step=functools.partial(step, rules=None),
                           shared_float=plan.shared_float)
   acc_shared = kernel_backward.RefSum(outs.g_shared)

@@ -134,11 +134,22 @@ class GroupLayout:
   chunk_rows: int
   group_rows: int
   rows: int
+  traced: step_fn_lib.SpecializedStep
+  pieces: tuple
 
   @property
   def block_rows(self) -> int:
     """Rows one evaluation of the step sees (`Options.block_rows`)."""
     return self.chunk_rows
+
+  def chunks(self) -> "Chunks":
+    """A group's chunks, as the kernel slices them (with the pieces)."""
+    return Chunks(self.chunk_rows, one=self.group_rows == self.chunk_rows,
+                  pieces=tuple(rows for rows, _ in self.pieces))
+
+  def traced_at(self) -> dict:
+    """Rows -> the step traced at them: the chunk's, and each piece's."""
+    return {self.chunk_rows: self.traced, **dict(self.pieces)}
 
   @property
   def groups(self) -> int:
@@ -269,7 +280,8 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
       const_shapes=tuple(np.shape(c) for c in traced.const_values),
       config=config, footprint=fp, problems=tuple(problems + config_problems),
       sliced=frozenset(sliced), uses_rows=uses_rows, max_iters=max_iters,
-      pieces=trace_pieces(step_fn, params, consts, h0, x, chunk, traced))
+      pieces=() if problems or config_problems else trace_pieces(step_fn, params, consts, h0, x,
+                                                                 chunk, traced))
 
 
 def chunk_blocks(backend: backend_lib.Backend, batch: int, chunk: int,
@@ -500,9 +512,7 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
     for c in range(plan.group_rows // chunk):
       alive_ref[c] = 1
 
-  chunks = Chunks(chunk, one=plan.group_rows == chunk,
-                  pieces=tuple(rows for rows, _ in plan.pieces))
-  traced_at = {chunk: plan.traced, **dict(plan.pieces)}
+  chunks, traced_at = plan.chunks(), plan.traced_at()
 
   def evaluate(t, rows):
     height = rows.size

@@ -333,9 +333,7 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
   for src, dst in zip(tree_util.tree_leaves(ins.h), scratch.cur):
     dst[...] = src[...]
 
-  chunks = kernel_tpu_groups.Chunks(chunk, one=plan.group_rows == chunk,
-                                    pieces=tuple(rows for rows, _ in plan.pieces))
-  traced_at = {chunk: plan.traced, **dict(plan.pieces)}
+  chunks, traced_at = plan.chunks(), plan.traced_at()
 
   def read(refs, rows, slot=None):
     leaves = [r[rows] if slot is None else r[slot, rows] for r in refs]

@@ -18,6 +18,10 @@ for the tanh RNN (D=128, bfloat16) inside one `jit` as `gpu_check` does
                 (`Options(block_rows=C)`)
   whole/sorted no pieces  (`--pieces`) the partial chunk always at the
                 chunk's height (`kernel_tpu_groups.SMALLEST_PIECE` out of reach)
+  parts: ...    (`--parts`) pieces of the work around the loop, each alone:
+                the sort, the inverse permutation by a sort and by a
+                scatter, the active-rows table by `searchsorted` (the
+                kernel's) and by comparing every count with every step
 
 With `--grad`: `jax.grad` of the output's sum w.r.t. (params, h0), as
 `gpu_check` times it (`harness._make_fn`), for the masked scan, `whole` and
@@ -59,6 +63,8 @@ def main(argv=None) -> int:
                       help="comma-separated chunk heights: the forward at each (whole and sorted)")
   parser.add_argument("--pieces", action="store_true",
                       help="also the forward with the partial chunk always at the chunk's height")
+  parser.add_argument("--parts", action="store_true",
+                      help="also the pieces of the work around the loop, each alone")
   parser.add_argument("--grad", action="store_true",
                       help="time jax.grad (masked scan, whole, sorted) instead of the forward")
   args = parser.parse_args(argv)
@@ -134,6 +140,8 @@ def main(argv=None) -> int:
         variants[f"whole C={chunk}"] = (lambda h, r, f=run_at: f(params, h, r["x"], r["iters"]))
         variants[f"sorted C={chunk}"] = (lambda h, r, f=run_at: f(params, h, r["x"],
                                                                 sorted_iters(r)))
+      if args.parts:
+        variants.update(_parts(batch, case.max_iters, tiling, kernel_tpu_groups))
       if args.pieces:
         variants["whole no pieces"] = ({"SMALLEST_PIECE": 1 << 30}, False)
         variants["sorted no pieces"] = ({"SMALLEST_PIECE": 1 << 30}, True)
@@ -150,6 +158,40 @@ def main(argv=None) -> int:
               sorted_iters(r) if in_order else r["iters"]))
       _time(variants, case, h0, inputs, useful, floor, args.repeats, write)
   return 0
+
+
+def _parts(batch: int, max_iters: int, tiling, groups_lib) -> dict:
+  """apply(h, inputs) -> h for each piece of the work around the loop alone
+  (its result folded into h, so that it is computed)."""
+  fold = lambda h, v: h + (jnp.sum(v) * 0).astype(h.dtype)
+  groups = max(1, batch // 8192)
+
+  def sort(h, r):
+    counts, order = tiling.sorted_descending(r["iters"])
+    return fold(h, counts + order)
+
+  def inverse(by_sort):
+    def run(h, r):
+      _, order = tiling.sorted_descending(r["iters"])
+      return fold(h, tiling.inverse_permutation(order, by_sort=by_sort))
+    return run
+
+  def active(compare_all):
+    def run(h, r):
+      counts, _ = tiling.sorted_descending(r["iters"])
+      if compare_all:
+        steps = jnp.arange(max_iters, dtype=counts.dtype)
+        table = jnp.sum((counts.reshape(groups, -1)[:, :, None] > steps).astype(jnp.int32),
+                        axis=1)
+      else:
+        table = groups_lib.active_rows(counts, groups, max_iters)
+      return fold(h, table)
+    return run
+
+  return {"parts: sort": sort, "parts: inverse by sort": inverse(True),
+          "parts: inverse by scatter": inverse(False),
+          "parts: sort + active_rows (searchsorted)": active(False),
+          "parts: sort + active_rows (compare all)": active(True)}
 
 
 def _time(variants, case, h0, inputs, useful, floor, repeats, write) -> None:

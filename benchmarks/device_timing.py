@@ -132,16 +132,16 @@ def bound_ns_per_row_step(flops_per_row_step: float, device_kind: str) -> float 
 def json_lines(path: str | None) -> Callable[[dict], None]:
   """write(record): prints the record as a JSON line, stamped with the date,
   the device kind and the JAX version, and appends it to `path` (if given),
-  flushed at once: a device run cut short keeps every line it wrote."""
-  out = open(path, "a") if path else None  # pylint: disable=consider-using-with
+  flushed at once: a device run cut short keeps every line it wrote (the file
+  is opened and closed for each line: nothing is left open)."""
   stamp = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
            "jax": jax.__version__}
 
   def write(record: dict) -> None:
     line = json.dumps({**stamp, **record}, default=float)
     print(line, flush=True)
-    if out:
-      out.write(line + "\n")
-      out.flush()
+    if path:
+      with open(path, "a") as out:
+        out.write(line + "\n")
 
   return write

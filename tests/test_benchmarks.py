@@ -289,3 +289,20 @@ def test_deq_solvers_table(capsys):
   rows = [line.split() for line in out.splitlines() if line.startswith("collinear")]
   assert [r[1] for r in rows] == ["Damped(1.0)", "Broyden(20)"]
   assert rows[1][2] == "16/16" and rows[1][3] == "3/3/3" and rows[0][2] == "0/16"
+
+
+@pytest.mark.slow  # a TPU diagnostic: run here at a tiny size, every variant, to keep it working
+@pytest.mark.parametrize("flags", [["--parts", "--pieces", "--chunks", "64"], ["--grad", "--pieces"]])
+def test_tpu_split_runs_every_variant(tmp_path, flags):
+  from benchmarks import tpu_split  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "split.jsonl"
+  assert tpu_split.main(["--batches", "128", "--counts", "uniform", "--repeats", "1",
+                         "--out", str(out)] + flags) == 0
+  lines = [json.loads(line) for line in out.read_text().splitlines()]
+  assert lines and all("error" not in r and "ms" in r for r in lines), lines
+  names = {r["variant"] for r in lines}
+  if "--grad" in flags:
+    assert {"grad masked_scan", "grad whole", "grad sorted", "grad whole no pieces"} <= names
+  else:
+    assert {"whole", "sorted", "permutation", "whole C=64", "sorted no pieces",
+            "parts: sort + active_rows (compare all)"} <= names

@@ -102,8 +102,8 @@ def main(argv=None) -> int:
         grads = {n: harness._chained(gcase, harness._make_fn(gcase, n, step, {}), params)  # pylint: disable=protected-access
                  for n in ("masked_scan", "pallas")}
         variants = {
-            "grad masked_scan": lambda h, r: grads["masked_scan"](h, r),
-            "grad whole": lambda h, r: grads["pallas"](h, r),
+            "grad masked_scan": grads["masked_scan"],
+            "grad whole": grads["pallas"],
             "grad sorted": lambda h, r: grads["pallas"](h, dict(r, iters=sorted_iters(r))),
         }
         if args.pieces:
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         variants[f"sorted C={chunk}"] = (lambda h, r, f=run_at: f(params, h, r["x"],
                                                                 sorted_iters(r)))
       if args.parts:
-        variants.update(_parts(batch, case.max_iters, tiling, kernel_tpu_groups))
+        variants.update(_parts(batch, case.max_iters))
       if args.pieces:
         variants["whole no pieces"] = ({"SMALLEST_PIECE": 1 << 30}, False)
         variants["sorted no pieces"] = ({"SMALLEST_PIECE": 1 << 30}, True)
@@ -160,9 +160,11 @@ def main(argv=None) -> int:
   return 0
 
 
-def _parts(batch: int, max_iters: int, tiling, groups_lib) -> dict:
+def _parts(batch: int, max_iters: int) -> dict:
   """apply(h, inputs) -> h for each piece of the work around the loop alone
   (its result folded into h, so that it is computed)."""
+  from pallas_loop._src import tiling  # pylint: disable=g-import-not-at-top
+  from pallas_loop._src.kernels import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
   fold = lambda h, v: h + (jnp.sum(v) * 0).astype(h.dtype)
   groups = max(1, batch // 8192)
 
@@ -184,7 +186,7 @@ def _parts(batch: int, max_iters: int, tiling, groups_lib) -> dict:
         table = jnp.sum((counts.reshape(groups, -1)[:, :, None] > steps).astype(jnp.int32),
                         axis=1)
       else:
-        table = groups_lib.active_rows(counts, groups, max_iters)
+        table = kernel_tpu_groups.active_rows(counts, groups, max_iters)
       return fold(h, table)
     return run
 

@@ -234,9 +234,10 @@ def test_partial_chunk_pieces(monkeypatch, pattern, block, dtype):
   oracle.assert_trees_close(got, want, want_f32)
 
 
-def test_pieces_need_the_chunks_constants():
+def test_pieces_need_the_chunks_constants(monkeypatch):
   # A constant the step makes at the batch's shape differs at a piece's
   # height: no pieces then (the kernel passes the chunk's constants).
+  monkeypatch.setattr(kernel_tpu_groups, "SMALLEST_PIECE", 8)
   big = lambda p, h, x: h * p + jnp.asarray(np.arange(h.shape[0] * h.shape[1], dtype=np.float32)
                                             .reshape(h.shape))
   small = lambda p, h, x: jnp.tanh(h * p + x)
@@ -245,8 +246,6 @@ def test_pieces_need_the_chunks_constants():
     rows = jnp.ones((64, 8))
     traced = fn.specialize(jnp.float32(0.5), fn.outer_consts, step_fn.avals(rows, 32),
                            step_fn.avals(rows, 32))
-    with pytest.MonkeyPatch.context() as m:
-      m.setattr(kernel_tpu_groups, "SMALLEST_PIECE", 8)
-      got = kernel_tpu_groups.trace_pieces(fn, jnp.float32(0.5), fn.outer_consts, rows, rows,
-                                           32, traced)
+    got = kernel_tpu_groups.trace_pieces(fn, jnp.float32(0.5), fn.outer_consts, rows, rows, 32,
+                                         traced)
     assert len(got) == pieces

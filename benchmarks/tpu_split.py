@@ -20,8 +20,11 @@ for the tanh RNN (D=128, bfloat16) inside one `jit` as `gpu_check` does
                 chunk's height (`kernel_tpu_groups.SMALLEST_PIECE` out of reach)
   parts: ...    (`--parts`) pieces of the work around the loop, each alone:
                 the sort, the inverse permutation by a sort and by a
-                scatter, the active-rows table by `searchsorted` (the
-                kernel's) and by comparing every count with every step
+                scatter, the active-rows table by `searchsorted` and by
+                comparing every count with every step; and the forward
+                (whole, sorted) with the table searched
+                (`kernel_tpu_groups.COMPARE_ALL_LIMIT` 0) and with rows in
+                order moved all the same (`SKIP_IF_SORTED` False)
 
 With `--grad`: `jax.grad` of the output's sum w.r.t. (params, h0), as
 `gpu_check` times it (`harness._make_fn`), for the masked scan, `whole` and
@@ -67,6 +70,8 @@ def main(argv=None) -> int:
                       help="also the pieces of the work around the loop, each alone")
   parser.add_argument("--grad", action="store_true",
                       help="time jax.grad (masked scan, whole, sorted) instead of the forward")
+  parser.add_argument("--only", action="append", default=[], metavar="PREFIX",
+                      help="time only the variants whose name starts with this (repeatable)")
   args = parser.parse_args(argv)
   write = device_timing.json_lines(args.out)
 
@@ -109,7 +114,12 @@ def main(argv=None) -> int:
         if args.pieces:
           variants["grad whole no pieces"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
               kernel_tpu_groups, {"SMALLEST_PIECE": 1 << 30}, grads["pallas"], h, r)
-        _time(variants, case, h0, inputs, useful, floor, args.repeats, write)
+        if args.parts:
+          variants["grad whole, active rows searched"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
+              kernel_tpu_groups, {"COMPARE_ALL_LIMIT": 0}, grads["pallas"], h, r)
+          variants["grad whole, rows always moved"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
+              kernel_tpu_groups, {"SKIP_IF_SORTED": False}, grads["pallas"], h, r)
+        _time(variants, case, h0, inputs, useful, floor, args.repeats, write, args.only)
         continue
       variants = {
           "masked_scan": lambda h, r: masked(params, h, r["x"], r["iters"]),
@@ -142,6 +152,12 @@ def main(argv=None) -> int:
                                                                 sorted_iters(r)))
       if args.parts:
         variants.update(_parts(batch, case.max_iters))
+        # The forward with the active-rows table searched (before it compared).
+        variants["whole, active rows searched"] = ({"COMPARE_ALL_LIMIT": 0}, False)
+        variants["sorted, active rows searched"] = ({"COMPARE_ALL_LIMIT": 0}, True)
+        # Without the device branch that leaves rows in order unmoved.
+        variants["whole, rows always moved"] = ({"SKIP_IF_SORTED": False}, False)
+        variants["sorted, rows always moved"] = ({"SKIP_IF_SORTED": False}, True)
       if args.pieces:
         variants["whole no pieces"] = ({"SMALLEST_PIECE": 1 << 30}, False)
         variants["sorted no pieces"] = ({"SMALLEST_PIECE": 1 << 30}, True)
@@ -156,7 +172,7 @@ def main(argv=None) -> int:
           variants[name] = (lambda h, r, values=values, in_order=in_order: tpu_design._traced_with(  # pylint: disable=protected-access
               kernel_tpu_groups, values, pallas, params, h, r["x"],
               sorted_iters(r) if in_order else r["iters"]))
-      _time(variants, case, h0, inputs, useful, floor, args.repeats, write)
+      _time(variants, case, h0, inputs, useful, floor, args.repeats, write, args.only)
   return 0
 
 
@@ -165,7 +181,10 @@ def _parts(batch: int, max_iters: int) -> dict:
   (its result folded into h, so that it is computed)."""
   from pallas_loop._src import tiling  # pylint: disable=g-import-not-at-top
   from pallas_loop._src.kernels import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
-  fold = lambda h, v: h + (jnp.sum(v) * 0).astype(h.dtype)
+  # Folded into h by a comparison XLA cannot decide (x * 0 it folds away, and
+  # the piece with it), so each piece is computed; the counts are an
+  # application's own (rolled), so no piece is computed once for the chain.
+  fold = lambda h, v: h + (jnp.sum(v) == jnp.iinfo(jnp.int32).min).astype(h.dtype)
   groups = max(1, batch // 8192)
 
   def sort(h, r):
@@ -181,11 +200,8 @@ def _parts(batch: int, max_iters: int) -> dict:
   def active(compare_all):
     def run(h, r):
       counts, _ = tiling.sorted_descending(r["iters"])
-      if compare_all:
-        steps = jnp.arange(max_iters, dtype=counts.dtype)
-        table = jnp.sum((counts.reshape(groups, -1)[:, :, None] > steps).astype(jnp.int32),
-                        axis=1)
-      else:
+      with tpu_design.patched(kernel_tpu_groups,
+                              COMPARE_ALL_LIMIT=1 << 62 if compare_all else 0):
         table = kernel_tpu_groups.active_rows(counts, groups, max_iters)
       return fold(h, table)
     return run
@@ -196,9 +212,12 @@ def _parts(batch: int, max_iters: int) -> dict:
           "parts: sort + active_rows (compare all)": active(True)}
 
 
-def _time(variants, case, h0, inputs, useful, floor, repeats, write) -> None:
-  """Times each variant (apply(h, inputs) -> h), a JSON line each."""
+def _time(variants, case, h0, inputs, useful, floor, repeats, write, only=()) -> None:
+  """Times each variant (apply(h, inputs) -> h), a JSON line each; with
+  `only`, those whose name starts with one of its prefixes."""
   for name, fn in variants.items():
+    if only and not any(name.startswith(prefix) for prefix in only):
+      continue
     rec = {"what": "split", "case": case.label, "variant": name}
     try:
       secs, chain = device_timing.chained_seconds(fn, h0, inputs, repeats=repeats,

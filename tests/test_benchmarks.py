@@ -292,7 +292,8 @@ def test_deq_solvers_table(capsys):
 
 
 @pytest.mark.slow  # a TPU diagnostic: run here at a tiny size, every variant, to keep it working
-@pytest.mark.parametrize("flags", [["--parts", "--pieces", "--chunks", "64"], ["--grad", "--pieces"]])
+@pytest.mark.parametrize("flags", [["--parts", "--pieces", "--chunks", "64"],
+                                   ["--grad", "--pieces", "--parts"]])
 def test_tpu_split_runs_every_variant(tmp_path, flags):
   from benchmarks import tpu_split  # pylint: disable=g-import-not-at-top
   out = tmp_path / "split.jsonl"
@@ -302,7 +303,8 @@ def test_tpu_split_runs_every_variant(tmp_path, flags):
   assert lines and all("error" not in r and "ms" in r for r in lines), lines
   names = {r["variant"] for r in lines}
   if "--grad" in flags:
-    assert {"grad masked_scan", "grad whole", "grad sorted", "grad whole no pieces"} <= names
+    assert {"grad masked_scan", "grad whole", "grad sorted", "grad whole no pieces",
+            "grad whole, active rows searched"} <= names
   else:
     assert {"whole", "sorted", "permutation", "whole C=64", "sorted no pieces",
-            "parts: sort + active_rows (compare all)"} <= names
+            "parts: sort + active_rows (compare all)", "whole, active rows searched"} <= names

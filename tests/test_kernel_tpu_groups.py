@@ -174,12 +174,20 @@ def test_mosaic_plan_rules():
   assert any("a chunk of its rows" in m and "multiple of 128" in m for m in problems)
 
 
-def test_active_rows_is_the_running_prefix():
-  counts = jnp.array([5, 3, 3, 0, 4, 4, 1, 0], jnp.int32)  # two groups, each descending
-  got = kernel_tpu_groups.active_rows(counts, 2, 6)
-  want = np.array([[(np.array(g) > t).sum() for t in range(6)]
-                   for g in ([5, 3, 3, 0], [4, 4, 1, 0])])
-  np.testing.assert_array_equal(got, want)
+@pytest.mark.parametrize("compare_all", [True, False])
+def test_active_rows_is_the_running_prefix(monkeypatch, compare_all):
+  # Both ways of building the table: every count against every step, and the
+  # binary search (the limit patched to take it).
+  if not compare_all:
+    monkeypatch.setattr(kernel_tpu_groups, "COMPARE_ALL_LIMIT", 0)
+  rng = np.random.default_rng(0)
+  for groups, rows, steps in ((2, 4, 6), (4, 64, 9), (1, 100, 1)):
+    counts = -np.sort(-rng.integers(0, steps + 1, (groups, rows)), axis=1)
+    got = kernel_tpu_groups.active_rows(jnp.asarray(counts.reshape(-1), jnp.int32), groups,
+                                        steps)
+    want = np.array([[(g > t).sum() for t in range(steps)] for g in counts])
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("batch,chunk,limit", [(100, 16, None), (32768, 2048, None),

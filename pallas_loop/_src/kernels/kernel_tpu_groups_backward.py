@@ -482,7 +482,7 @@ def run(p: GroupWindowPlan, ops: WindowOperands) -> Gradients:
              ops.row_ids if p.reads_rows else None)
   (g_h, g_x), group_sums = tiling.in_tiles(
       on_groups, per_row, ops.n, rows=padded, sort=True, must_be_finite=True,
-      skip_if_sorted=True, invert_by_sort=True)
+      skip_if_sorted=kernel_tpu_groups.SKIP_IF_SORTED, invert_by_sort=True)
   return kernel_backward.assemble(ops, group_sums, g_h, g_x, shared_shapes=p.shared_shapes,
                                   sources=p.traced.sources)
 

@@ -259,15 +259,21 @@ def _applicable(case: Case) -> list[str]:
   return names
 
 
-def _make_fn(case: Case, name: str, step, halting):
+def _make_fn(case: Case, name: str, step, halting, one_count: bool | None = None):
   """fn(params, h0, x, iters) -> the output (forward) or the gradients
-  w.r.t. (params, h0) of the sum of the output (`case.grad`)."""
+  w.r.t. (params, h0) of the sum of the output (`case.grad`). `one_count`:
+  `iterate` is given `iters=T`, not the [B] counts (None: for constant
+  counts)."""
   impl = IMPLEMENTATIONS[name]
   extra = {}
   if case.grad is not None and name in ("xla", "pallas"):
     extra["grad"] = case.grad
-  run = lambda p, h, x_, k: impl(step, p, h, x_, iters=k, max_iters=case.max_iters,
-                                 **halting, **extra)
+  # Equal counts are given to `iterate` as one count, as a user writes "every
+  # row T steps" (`iters=T`): it then knows at trace time that no row moves.
+  if one_count is None:
+    one_count = case.counts == "constant" and name in ("xla", "pallas")
+  run = lambda p, h, x_, k: impl(step, p, h, x_, iters=case.max_iters if one_count else k,
+                                 max_iters=case.max_iters, **halting, **extra)
   if case.grad is None:
     return run
   loss = lambda p, h, x_, k: sum(jnp.sum(a.astype(jnp.float32))

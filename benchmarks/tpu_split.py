@@ -23,11 +23,15 @@ for the tanh RNN (D=128, bfloat16) inside one `jit` as `gpu_check` does
                 scatter, the active-rows table by `searchsorted` and by
                 comparing every count with every step; and the forward
                 (whole, sorted) with the table searched
-                (`kernel_tpu_groups.COMPARE_ALL_LIMIT` 0) and with rows in
-                order moved all the same (`SKIP_IF_SORTED` False)
+                (`kernel_tpu_groups.COMPARE_ALL_LIMIT` 0) and with the
+                device branch that leaves rows in order unmoved
+                (`SKIP_IF_SORTED` True)
+  whole, one count  constant counts given as `iters=T` (`whole`: the [B]
+                array): nothing sorted, known at trace time
 
 With `--grad`: `jax.grad` of the output's sum w.r.t. (params, h0), as
-`gpu_check` times it (`harness._make_fn`), for the masked scan, `whole` and
+`gpu_check` times it (`harness._make_fn`: constant counts as `iters=T`; the
+[B] array too, `grad whole, counts as an array`), for the masked scan, `whole` and
 `sorted` (both the forward's and the backward's permutations skipped): the
 difference is what the two permutations cost a training step.
 
@@ -111,18 +115,27 @@ def main(argv=None) -> int:
             "grad whole": grads["pallas"],
             "grad sorted": lambda h, r: grads["pallas"](h, dict(r, iters=sorted_iters(r))),
         }
+        if dist == "constant":  # `grad whole` is given iters=T: nothing to sort
+          del variants["grad sorted"]
         if args.pieces:
           variants["grad whole no pieces"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
               kernel_tpu_groups, {"SMALLEST_PIECE": 1 << 30}, grads["pallas"], h, r)
+        if dist == "constant":  # the counts as a [B] array (`grad whole`: iters=T)
+          grads["pallas"] = variants["grad whole, counts as an array"] = harness._chained(  # pylint: disable=protected-access
+              gcase, harness._make_fn(gcase, "pallas", step, {}, one_count=False), params)  # pylint: disable=protected-access
         if args.parts:
           variants["grad whole, active rows searched"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
               kernel_tpu_groups, {"COMPARE_ALL_LIMIT": 0}, grads["pallas"], h, r)
-          variants["grad whole, rows always moved"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
-              kernel_tpu_groups, {"SKIP_IF_SORTED": False}, grads["pallas"], h, r)
+          variants["grad whole, sortedness branch"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
+              kernel_tpu_groups, {"SKIP_IF_SORTED": True}, grads["pallas"], h, r)
         _time(variants, case, h0, inputs, useful, floor, args.repeats, write, args.only)
         continue
       variants = {
           "masked_scan": lambda h, r: masked(params, h, r["x"], r["iters"]),
+          # Every row T steps, written as one count (the forward's `whole`
+          # gets the [B] counts).
+          **({"whole, one count": lambda h, r: pallas(params, h, r["x"], case.max_iters)}
+             if dist == "constant" else {}),
           "whole": lambda h, r: pallas(params, h, r["x"], r["iters"]),
           "sorted": lambda h, r: pallas(params, h, r["x"], sorted_iters(r)),
           "permutation": permutation,
@@ -155,9 +168,9 @@ def main(argv=None) -> int:
         # The forward with the active-rows table searched (before it compared).
         variants["whole, active rows searched"] = ({"COMPARE_ALL_LIMIT": 0}, False)
         variants["sorted, active rows searched"] = ({"COMPARE_ALL_LIMIT": 0}, True)
-        # Without the device branch that leaves rows in order unmoved.
-        variants["whole, rows always moved"] = ({"SKIP_IF_SORTED": False}, False)
-        variants["sorted, rows always moved"] = ({"SKIP_IF_SORTED": False}, True)
+        # With the device branch that leaves rows already in order unmoved.
+        variants["whole, sortedness branch"] = ({"SKIP_IF_SORTED": True}, False)
+        variants["sorted, sortedness branch"] = ({"SKIP_IF_SORTED": True}, True)
       if args.pieces:
         variants["whole no pieces"] = ({"SMALLEST_PIECE": 1 << 30}, False)
         variants["sorted no pieces"] = ({"SMALLEST_PIECE": 1 << 30}, True)

@@ -127,13 +127,15 @@ def test_per_example_keys_under_vmap(impl):
                                options=options)[0]
 
   mapped = jax.jit(jax.vmap(one, in_axes=(None, 0, 0, 0, 0)))(w, h0, x, n, keys)
-  looped = jnp.stack([one(w, h0[i], x[i], n[i], keys[i]) for i in range(batch)])
+  # The loop's calls jitted: one compilation serves every example.
+  one_jit = jax.jit(one)
+  looped = jnp.stack([one_jit(w, h0[i], x[i], n[i], keys[i]) for i in range(batch)])
   np.testing.assert_array_equal(mapped == 0, looped == 0)  # the same dropout masks
   np.testing.assert_allclose(mapped, looped, rtol=1e-5, atol=1e-6)  # batched dots round apart
   grad_mapped = jax.grad(lambda w_: jnp.sum(jax.vmap(one, in_axes=(None, 0, 0, 0, 0))(
       w_, h0, x, n, keys)))(w)
-  grad_looped = sum(jax.grad(lambda w_, i=i: jnp.sum(one(w_, h0[i], x[i], n[i], keys[i])))(w)
-                    for i in range(batch))
+  grad_one = jax.jit(jax.grad(lambda w_, *rest: jnp.sum(one(w_, *rest))))
+  grad_looped = sum(grad_one(w, h0[i], x[i], n[i], keys[i]) for i in range(batch))
   np.testing.assert_allclose(grad_mapped, grad_looped, rtol=1e-5, atol=1e-6)
 
   # One shared key: example i gets the draws of row 0 under that key, as does

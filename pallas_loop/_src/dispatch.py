@@ -251,7 +251,7 @@ def _per_platform(what: str, plan: Callable[..., Any], run_kernel: Callable[...,
 
 
 def forward_fn(step_fn: step_fn_lib.StepFn, options: Options, *, max_iters: int,
-               residual: bool = True, outputs: Any = None
+               residual: bool = True, outputs: Any = None, in_order: bool = False
                ) -> Callable[[LoopOperands], LoopOutputs]:
   """The forward, LoopOperands -> LoopOutputs, on the lowering platform's
   kernel or in XLA (`xla_forward.forward`).
@@ -263,6 +263,8 @@ def forward_fn(step_fn: step_fn_lib.StepFn, options: Options, *, max_iters: int,
     residual: track each row's last residual (False when the caller does not
       ask for it: saves a reduction per step; the residual output is then 0).
     outputs: the per-step outputs' buffer avals ([B, T, ...] leaves), or None.
+    in_order: every row has the same count (known at trace time): the
+      kernels sort no rows.
   """
 
   def run_xla(ops: LoopOperands) -> LoopOutputs:
@@ -280,19 +282,21 @@ def forward_fn(step_fn: step_fn_lib.StepFn, options: Options, *, max_iters: int,
                                 max_iters=max_iters, approx_tanh=options.approx_tanh)
 
   def run_kernel(p: Any, ops: LoopOperands) -> LoopOutputs:
-    return p.run(ops, sort_rows=options.sort_rows, residual=residual, schedule=options.schedule)
+    return p.run(ops, sort_rows=options.sort_rows, in_order=in_order, residual=residual,
+                 schedule=options.schedule)
 
   return _per_platform("forward", plan, run_kernel, run_xla, options)
 
 
-def window_fn(step_fn: step_fn_lib.StepFn,
-              options: Options) -> Callable[[WindowOperands, int, int | None], Any]:
+def window_fn(step_fn: step_fn_lib.StepFn, options: Options, *,
+              in_order: bool = False) -> Callable[[WindowOperands, int, int | None], Any]:
   """The window VJP `w(ops, bound, every) -> (g_params, g_consts, g_h_start,
   g_x)`: a fused backward kernel where the forward kernel would run (the
   backend's own, `Backend.plan_backward`, else the tile kernel every backend
   shares, `kernel_backward.py`), else XLA (`xla_backward.py`). `bound` (the
   static bound on n) and `every` (checkpoint interval or None: the kernel's
-  choice) are static.
+  choice) are static. `in_order`: every window has the same length (known at
+  trace time): the kernels sort no rows.
   """
 
   def window(ops: WindowOperands, bound: int, every: int | None) -> Gradients:
@@ -313,7 +317,8 @@ def window_fn(step_fn: step_fn_lib.StepFn,
           sort_rows=options.sort_rows, approx_tanh=options.approx_tanh)
 
     def run_kernel(p: Any, ops: WindowOperands) -> Gradients:
-      return p.run(ops, sort_rows=options.sort_rows, schedule=options.schedule)
+      return p.run(ops, sort_rows=options.sort_rows, in_order=in_order,
+                   schedule=options.schedule)
 
     return _per_platform("backward", plan, run_kernel, run_xla, options)(ops)
 

@@ -163,6 +163,10 @@ def iterate(
   batch = validation.batch_size(h0, x)
   counts = validation.counts_from_iters(iters, batch, max_iters)
   halting = validation.halting_operands(tol, halt, min_iters)
+  # One count for every row (a scalar `iters`, or none): the rows are in
+  # count order as they come, and so are the backward's windows unless rows
+  # halt on their own. The kernels then move no row (known at trace time).
+  in_order = validation.same_count_every_row(iters)
   keys = None
   if key is not None:
     # Closed over by the body, the key's words become one of the step's
@@ -196,8 +200,10 @@ def iterate(
   # The residual is only computed when it is returned.
   ctx = grad_modes.Context(
       fn=fn, forward=dispatch.forward_fn(fn, options, max_iters=max_iters,
-                                         residual=return_info, outputs=ys_avals),
-      window=dispatch.window_fn(fn, options), max_iters=max_iters,
+                                         residual=return_info, outputs=ys_avals,
+                                         in_order=in_order),
+      window=dispatch.window_fn(fn, options, in_order=in_order and halting is None),
+      max_iters=max_iters,
       iterate=functools.partial(iterate, options=options))
   loop = _differentiable(mode, ctx, step_fn_lib.avals(h0), ys_avals)
   loop_params = params

@@ -137,6 +137,18 @@ def counts_from_iters(iters: Any, batch: int, max_iters: int) -> jax.Array:
   return jnp.broadcast_to(counts, (batch,))
 
 
+def same_count_every_row(iters: Any) -> bool:
+  """Whether every row is given the same count, as the caller writes `iters`
+  (None, an int, or a 0-d array): the rows are then in count order already,
+  which the kernels know at trace time and sort nothing.
+
+  Example:
+    >>> same_count_every_row(None), same_count_every_row(3), same_count_every_row(jnp.ones(4))
+    (True, True, False)
+  """
+  return iters is None or _shape(iters) == ()
+
+
 def halting_operands(tol: Any, halt: Callable[..., Any] | None,
                      min_iters: Any) -> Halting | None:
   """`Halting(tol, min_iters)` as float32/int32 0-d arrays, after checks.

@@ -239,10 +239,11 @@ class WindowPlan:
   outputs: Any = None
   y_float: tuple[bool, ...] = ()
 
-  def run(self, ops: WindowOperands, *, sort_rows: bool,
+  def run(self, ops: WindowOperands, *, sort_rows: bool, in_order: bool = False,
           schedule: str | None = None) -> Gradients:
-    """`run` with this plan (the interface the TPU's group backward shares)."""
-    return run(self, ops, sort_rows=sort_rows, schedule=schedule)
+    """`run` with this plan (the interface the TPU's group backward shares;
+    `in_order`: every window has the same length, so no row is sorted)."""
+    return run(self, ops, sort_rows=sort_rows and not in_order, schedule=schedule)
 
 
 def plan(backend, step_fn, params, consts, h, x, *, block_rows, bound: int,

@@ -141,10 +141,12 @@ class TilePlan:
   sliced: frozenset[int] = frozenset()
   outputs: Any = None
 
-  def run(self, ops: LoopOperands, *, sort_rows: bool, residual: bool = True,
-          schedule: str | None = None) -> LoopOutputs:
-    """`run(self, ops, ...)`: the kernel on the rows in tiles."""
-    return run(self, ops, sort_rows=sort_rows, residual=residual, schedule=schedule)
+  def run(self, ops: LoopOperands, *, sort_rows: bool, in_order: bool = False,
+          residual: bool = True, schedule: str | None = None) -> LoopOutputs:
+    """`run(self, ops, ...)`: the kernel on the rows in tiles (`in_order`:
+    every row has the same count, so none is sorted)."""
+    return run(self, ops, sort_rows=sort_rows and not in_order, residual=residual,
+               schedule=schedule)
 
   @property
   def max_iters(self) -> int:

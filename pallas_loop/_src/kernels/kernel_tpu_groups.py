@@ -89,10 +89,15 @@ SMALLEST_PIECE = 256
 # The active-rows table (`active_rows`) compares every count with every step
 # up to this many comparisons (B=32768 at T=512), else searches.
 COMPARE_ALL_LIMIT = 1 << 24
-# Rows whose counts already descend (constant counts, a caller's own order)
-# are not moved: a branch on the device skips the gathers (both group kernels;
-# `tiling.in_tiles`' skip_if_sorted).
-SKIP_IF_SORTED = True
+# A branch on the device that leaves rows whose counts already descend
+# unmoved (`tiling.in_tiles`' skip_if_sorted), in both group kernels: off.
+# Inside a branch XLA copies the operands it gathers into VMEM synchronously;
+# on a TPU v5e, B=32768 (RESULTS.md, "The active-rows table and the
+# sortedness branch"), the branch cost the recurrent-depth gradient 0.33 ms
+# and the forward 0.04 ms when rows are out of order, more than the gathers
+# it saves on equal counts. Equal counts written as one count (`iters` a
+# scalar or None) are known at trace time and move nothing (`in_order`).
+SKIP_IF_SORTED = False
 
 
 def piece_rows(chunk: int) -> tuple[int, ...]:
@@ -200,11 +205,11 @@ class GroupPlan(GroupLayout):
   max_iters: int = 0
   pieces: tuple = ()
 
-  def run(self, ops: LoopOperands, *, sort_rows: bool, residual: bool = True,
-          schedule: str | None = None) -> LoopOutputs:
+  def run(self, ops: LoopOperands, *, sort_rows: bool, in_order: bool = False,
+          residual: bool = True, schedule: str | None = None) -> LoopOutputs:
     del schedule  # a TPU core runs its groups in order: one schedule
     assert sort_rows, "the group kernel needs rows sorted by count (`plan`)"
-    return run(self, ops, residual=residual)
+    return run(self, ops, residual=residual, in_order=in_order)
 
 
 def default_chunk_rows(batch: int) -> int:
@@ -660,7 +665,8 @@ def launch(body, p: Any, *, ins, in_kinds, outs, out_kinds, scratch, counts: jax
   )(active, trips, *in_leaves))
 
 
-def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True) -> LoopOutputs:
+def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True,
+        in_order: bool = False) -> LoopOutputs:
   """Runs the group kernel on the rows, sorted by descending count.
 
   Args:
@@ -668,6 +674,8 @@ def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True) -> LoopOutput
     ops: the loop's operands (consts: the caller's; the kernel takes the
       traced step's own constants from `p`).
     residual: track each row's last residual (else it is returned as 0).
+    in_order: every row has the same count (known at trace time): no row is
+      sorted or moved.
   """
   assert not p.problems and p.config is not None, p.problems
   track = residual or ops.halting is not None
@@ -702,7 +710,7 @@ def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True) -> LoopOutput
   # own gather (`tiling.take_rows` says why not one packed gather).
   index = ops.row_ids if p.uses_rows else None
   (h, tracked), _ = tiling.in_tiles(
-      on_groups, (ops.h0, ops.x, index), ops.counts, rows=padded, sort=True,
+      on_groups, (ops.h0, ops.x, index), ops.counts, rows=padded, sort=not in_order,
       must_be_finite=False, skip_if_sorted=SKIP_IF_SORTED, invert_by_sort=True)
   if track:
     residual_out, steps, halted = tracked

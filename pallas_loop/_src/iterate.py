@@ -75,7 +75,9 @@ def iterate(
       compilation serves every count). Clipped to [0, max_iters]. None (the
       default): every row's budget is `max_iters`, e.g. a deep equilibrium
       layer that halts on `tol`: `iterate(f, params, h0, x, max_iters=100,
-      tol=1e-5)`.
+      tol=1e-5)`. When every row runs the same count, give it as one number
+      (int, 0-d array, or None): the kernels then know the rows are in count
+      order and move none; a [B] array of equal counts is sorted like any.
     max_iters: static Python int >= 0, the largest count.
     tol: halt a row after the first step whose update has
       `rms(h_new - h) <= tol`, the rms over all state elements of the row,

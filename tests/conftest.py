@@ -1,10 +1,24 @@
 """Test configuration: strict dtype promotion catches silent upcasts; CI's
-share of the slow sweeps."""
+share of the slow sweeps; one XLA compilation cache for the run."""
 
 import hashlib
+import os
+import shutil
+import tempfile
 
 import jax
 import pytest
+
+# The run's compilation cache: JAX's persistent cache in a fresh folder, made
+# by the first pytest process (xdist's controller) before its workers start,
+# so they and the subprocesses tests start inherit it. Many tests compile the
+# same programs (the oracle's scan, a kernel at the same shapes under another
+# name); with the cache each compiles once: tests/test_forward.py,
+# test_gradients.py and test_grad_modes.py took 83 s against 148 s on 2 cores.
+# A caller's own JAX_COMPILATION_CACHE_DIR is kept as it is.
+_CACHE_VARIABLES = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+_made_cache = []
 
 
 def pytest_addoption(parser):
@@ -16,6 +30,28 @@ def pytest_addoption(parser):
   group.addoption(
       "--slow-seed", default="", metavar="SEED",
       help="the slow sample's seed (CI: the commit hash); the same seed, the same tests")
+
+
+def pytest_configure(config):
+  del config
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    folder = tempfile.mkdtemp(prefix="pallas_loop_test_xla_cache_")
+    _made_cache.append(folder)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    for name, value in _CACHE_VARIABLES.items():
+      os.environ.setdefault(name, value)
+  # jax read its environment when imported (above): this process, too.
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  for name in _CACHE_VARIABLES:
+    if name in os.environ:
+      flag = name.lower()
+      jax.config.update(flag, type(getattr(jax.config, flag))(os.environ[name]))
+
+
+def pytest_unconfigure(config):
+  del config
+  for folder in _made_cache:
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _in_sample(nodeid: str, seed: str, share: float) -> bool:

@@ -79,6 +79,7 @@ def test_suites_are_well_formed():
   assert {c.d for c in gpu} == {128, 256} and {c.dtype for c in gpu} == {"bfloat16"}
 
 
+@pytest.mark.slow  # ~35 s; CI runs the main job itself, right after the quick set
 def test_main_job_prints_both_tables_and_writes_json(capsys, tmp_path):
   """The README's main job (CI runs the default suite itself, every
   implementation): both tables, and the JSON of every case and mode. One

@@ -691,6 +691,7 @@ def test_pallas_matches_xla_forward_and_gradient():
     np.testing.assert_allclose(a, b, rtol=3e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # the whole example, ~40 s of a CI core; the quick set tests its parts
 def test_example_trains_a_non_contractive_deq(capsys):
   """examples/deq_training.py --quick: W of spectral radius 1.2, Anderson, both gradients."""
   pytest.importorskip("optax", reason='needs the examples extra: pip install -e ".[examples]"')

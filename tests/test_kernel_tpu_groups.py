@@ -257,3 +257,52 @@ def test_pieces_need_the_chunks_constants(monkeypatch):
     got = kernel_tpu_groups.trace_pieces(fn, jnp.float32(0.5), fn.outer_consts, rows, rows, 32,
                                          traced)
     assert len(got) == pieces
+
+
+def _primitives(fn, *args) -> set[str]:
+  """The primitives of fn's jaxpr around the kernels: nested jaxprs (custom_vjp,
+  jit, cond) included, a `pallas_call`'s body not."""
+  seen = set()
+
+  def walk(value):
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+      value = value.jaxpr
+    if isinstance(value, jax.extend.core.Jaxpr):
+      for eqn in value.eqns:
+        seen.add(eqn.primitive.name)
+        if eqn.primitive.name != "pallas_call":
+          for param in eqn.params.values():
+            walk(param)
+    elif isinstance(value, (tuple, list)):
+      for v in value:
+        walk(v)
+
+  walk(jax.make_jaxpr(fn)(*args))
+  return seen
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_one_count_moves_no_row(grad):
+  # One count for every row (an int, a 0-d array, None) is known at trace
+  # time: neither the forward nor the backward sorts or gathers a row. The
+  # same counts as a [B] array are sorted like any others; both agree with
+  # the oracle.
+  step, params, h0, x = blocks.make("tanh_rnn", 64, 16, jnp.float32)
+
+  def run(iters):
+    f = lambda p, h: pallas_loop.iterate(step, p, h, x, iters=iters, max_iters=5,
+                                         options=TPU_INTERPRET.replace(block_rows=16))
+    return jax.grad(lambda p, h: jnp.sum(f(p, h)), argnums=(0, 1)) if grad else f
+
+  for one in (5, jnp.int32(5), None):
+    prims = _primitives(run(one), params, h0)
+    assert "sort" not in prims and "gather" not in prims, prims
+  assert "sort" in _primitives(run(jnp.full((64,), 5)), params, h0)
+  want = oracle.reference_pair(step, params, h0, x, iters=5, max_iters=5)[0]
+  if grad:
+    want = jax.grad(lambda p, h: jnp.sum(reference.iterate(step, p, h, x, iters=5, max_iters=5)),
+                    argnums=(0, 1))(params, h0)
+  for one in (5, jnp.full((64,), 5)):
+    got = run(one)(params, h0)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)

@@ -7,9 +7,10 @@ for the tanh RNN (D=128, bfloat16) inside one `jit` as `gpu_check` does
 
   masked_scan   the baseline (every row pays every step)
   whole         `iterate`'s forward, rows in a random order
-  sorted        the same rows already in count order: the permutation is
-                skipped (a branch on the device), so this is the loop and
-                the kernel's own reads and writes
+  sorted        the same rows already in count order, with the device branch
+                that skips the permutation for them (`SKIP_IF_SORTED`,
+                off in the library, patched on for every `sorted` variant):
+                the loop and the kernel's own reads and writes
   permutation   the permutation alone: `tiling.in_tiles` with the group
                 kernel's flags around a loop that does nothing
   sorted G=.., C=..  the sorted forward with the group kernel's groups per
@@ -101,10 +102,17 @@ def main(argv=None) -> int:
         # The sorted counts, not loop-invariant (ramp[0] differs per application, >= 0).
         return jnp.minimum(sorted_counts, case.max_iters + r["ramp"][0])
 
-      def permutation(h, r):
+      def skipping(fn):
+        # fn traced with the branch that leaves rows already in order unmoved.
+        return lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
+            kernel_tpu_groups, {"SKIP_IF_SORTED": True}, fn, h, r)
+
+      def permutation(h, r):  # as the group forward moves its rows (`kernel_tpu_groups.run`)
         run = lambda per_row, c: (per_row[0], None)
         return tiling.in_tiles(run, (h, r["x"], None), r["iters"], rows=batch, sort=True,
-                               must_be_finite=False, skip_if_sorted=True, invert_by_sort=True)[0]
+                               must_be_finite=False,
+                               skip_if_sorted=kernel_tpu_groups.SKIP_IF_SORTED,
+                               invert_by_sort=True)[0]
 
       if args.grad:
         gcase = cases._case("tanh_rnn", batch, 128, dist, dtype="bfloat16", grad="full")  # pylint: disable=protected-access
@@ -113,7 +121,7 @@ def main(argv=None) -> int:
         variants = {
             "grad masked_scan": grads["masked_scan"],
             "grad whole": grads["pallas"],
-            "grad sorted": lambda h, r: grads["pallas"](h, dict(r, iters=sorted_iters(r))),
+            "grad sorted": skipping(lambda h, r: grads["pallas"](h, dict(r, iters=sorted_iters(r)))),
         }
         if dist == "constant":  # `grad whole` is given iters=T: nothing to sort
           del variants["grad sorted"]
@@ -137,7 +145,7 @@ def main(argv=None) -> int:
           **({"whole, one count": lambda h, r: pallas(params, h, r["x"], case.max_iters)}
              if dist == "constant" else {}),
           "whole": lambda h, r: pallas(params, h, r["x"], r["iters"]),
-          "sorted": lambda h, r: pallas(params, h, r["x"], sorted_iters(r)),
+          "sorted": skipping(lambda h, r: pallas(params, h, r["x"], sorted_iters(r))),
           "permutation": permutation,
       }
       if args.variants and dist == "uniform":
@@ -161,8 +169,8 @@ def main(argv=None) -> int:
         run_at = (lambda p, h, x_, k, opts=opts: pallas_loop.iterate(
             step, p, h, x_, iters=k, max_iters=case.max_iters, options=opts))
         variants[f"whole C={chunk}"] = (lambda h, r, f=run_at: f(params, h, r["x"], r["iters"]))
-        variants[f"sorted C={chunk}"] = (lambda h, r, f=run_at: f(params, h, r["x"],
-                                                                sorted_iters(r)))
+        variants[f"sorted C={chunk}"] = skipping(lambda h, r, f=run_at: f(params, h, r["x"],
+                                                                         sorted_iters(r)))
       if args.parts:
         variants.update(_parts(batch, case.max_iters))
         # The forward with the active-rows table searched (before it compared).
@@ -170,7 +178,6 @@ def main(argv=None) -> int:
         variants["sorted, active rows searched"] = ({"COMPARE_ALL_LIMIT": 0}, True)
         # With the device branch that leaves rows already in order unmoved.
         variants["whole, sortedness branch"] = ({"SKIP_IF_SORTED": True}, False)
-        variants["sorted, sortedness branch"] = ({"SKIP_IF_SORTED": True}, True)
       if args.pieces:
         variants["whole no pieces"] = ({"SMALLEST_PIECE": 1 << 30}, False)
         variants["sorted no pieces"] = ({"SMALLEST_PIECE": 1 << 30}, True)
@@ -182,6 +189,8 @@ def main(argv=None) -> int:
       for name, fn in variants.items():
         if isinstance(fn, tuple):  # the group kernel's constants patched while traced
           values, in_order = fn
+          if in_order:  # a `sorted` variant: the permutation skipped, as above
+            values = {"SKIP_IF_SORTED": True, **values}
           variants[name] = (lambda h, r, values=values, in_order=in_order: tpu_design._traced_with(  # pylint: disable=protected-access
               kernel_tpu_groups, values, pallas, params, h, r["x"],
               sorted_iters(r) if in_order else r["iters"]))

@@ -7,10 +7,11 @@ for the tanh RNN (D=128, bfloat16) inside one `jit` as `gpu_check` does
 
   masked_scan   the baseline (every row pays every step)
   whole         `iterate`'s forward, rows in a random order
-  sorted        the same rows already in count order, with the device branch
-                that skips the permutation for them (`SKIP_IF_SORTED`,
-                off in the library, patched on for every `sorted` variant):
-                the loop and the kernel's own reads and writes
+  sorted        the same rows already in count order, traced as known in
+                order (`validation.same_count_every_row` patched true for
+                every `sorted` variant, the path one count takes): no row
+                sorted or moved, so this is the loop and the kernel's own
+                reads and writes
   permutation   the permutation alone: `tiling.in_tiles` with the group
                 kernel's flags around a loop that does nothing
   sorted G=.., C=..  the sorted forward with the group kernel's groups per
@@ -24,9 +25,7 @@ for the tanh RNN (D=128, bfloat16) inside one `jit` as `gpu_check` does
                 scatter, the active-rows table by `searchsorted` and by
                 comparing every count with every step; and the forward
                 (whole, sorted) with the table searched
-                (`kernel_tpu_groups.COMPARE_ALL_LIMIT` 0) and with the
-                device branch that leaves rows in order unmoved
-                (`SKIP_IF_SORTED` True)
+                (`kernel_tpu_groups.COMPARE_ALL_LIMIT` 0)
   whole, one count  constant counts given as `iters=T` (`whole`: the [B]
                 array): nothing sorted, known at trace time
 
@@ -82,6 +81,7 @@ def main(argv=None) -> int:
 
   import pallas_loop  # pylint: disable=g-import-not-at-top
   from pallas_loop._src import tiling  # pylint: disable=g-import-not-at-top
+  from pallas_loop._src import validation  # pylint: disable=g-import-not-at-top
   from pallas_loop._src.kernels import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
 
   for batch in (int(b) for b in args.batches.split(",")):
@@ -102,17 +102,16 @@ def main(argv=None) -> int:
         # The sorted counts, not loop-invariant (ramp[0] differs per application, >= 0).
         return jnp.minimum(sorted_counts, case.max_iters + r["ramp"][0])
 
-      def skipping(fn):
-        # fn traced with the branch that leaves rows already in order unmoved.
+      def in_order(fn):
+        # fn traced with its counts known in order, as for one count: the
+        # kernels sort and move no row (the rows given are in order).
         return lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
-            kernel_tpu_groups, {"SKIP_IF_SORTED": True}, fn, h, r)
+            validation, {"same_count_every_row": lambda iters: True}, fn, h, r)
 
       def permutation(h, r):  # as the group forward moves its rows (`kernel_tpu_groups.run`)
         run = lambda per_row, c: (per_row[0], None)
         return tiling.in_tiles(run, (h, r["x"], None), r["iters"], rows=batch, sort=True,
-                               must_be_finite=False,
-                               skip_if_sorted=kernel_tpu_groups.SKIP_IF_SORTED,
-                               invert_by_sort=True)[0]
+                               must_be_finite=False, invert_by_sort=True)[0]
 
       if args.grad:
         gcase = cases._case("tanh_rnn", batch, 128, dist, dtype="bfloat16", grad="full")  # pylint: disable=protected-access
@@ -121,21 +120,21 @@ def main(argv=None) -> int:
         variants = {
             "grad masked_scan": grads["masked_scan"],
             "grad whole": grads["pallas"],
-            "grad sorted": skipping(lambda h, r: grads["pallas"](h, dict(r, iters=sorted_iters(r)))),
+            "grad sorted": in_order(lambda h, r: grads["pallas"](h, dict(r, iters=sorted_iters(r)))),
         }
         if dist == "constant":  # `grad whole` is given iters=T: nothing to sort
           del variants["grad sorted"]
         if args.pieces:
           variants["grad whole no pieces"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
               kernel_tpu_groups, {"SMALLEST_PIECE": 1 << 30}, grads["pallas"], h, r)
-        if dist == "constant":  # the counts as a [B] array (`grad whole`: iters=T)
-          grads["pallas"] = variants["grad whole, counts as an array"] = harness._chained(  # pylint: disable=protected-access
+        # The [B] counts as given (`grad whole` gets iters=T for constant counts).
+        grad_array = grads["pallas"]
+        if dist == "constant":
+          grad_array = variants["grad whole, counts as an array"] = harness._chained(  # pylint: disable=protected-access
               gcase, harness._make_fn(gcase, "pallas", step, {}, one_count=False), params)  # pylint: disable=protected-access
         if args.parts:
           variants["grad whole, active rows searched"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
-              kernel_tpu_groups, {"COMPARE_ALL_LIMIT": 0}, grads["pallas"], h, r)
-          variants["grad whole, sortedness branch"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
-              kernel_tpu_groups, {"SKIP_IF_SORTED": True}, grads["pallas"], h, r)
+              kernel_tpu_groups, {"COMPARE_ALL_LIMIT": 0}, grad_array, h, r)
         _time(variants, case, h0, inputs, useful, floor, args.repeats, write, args.only)
         continue
       variants = {
@@ -145,7 +144,7 @@ def main(argv=None) -> int:
           **({"whole, one count": lambda h, r: pallas(params, h, r["x"], case.max_iters)}
              if dist == "constant" else {}),
           "whole": lambda h, r: pallas(params, h, r["x"], r["iters"]),
-          "sorted": skipping(lambda h, r: pallas(params, h, r["x"], sorted_iters(r))),
+          "sorted": in_order(lambda h, r: pallas(params, h, r["x"], sorted_iters(r))),
           "permutation": permutation,
       }
       if args.variants and dist == "uniform":
@@ -169,15 +168,13 @@ def main(argv=None) -> int:
         run_at = (lambda p, h, x_, k, opts=opts: pallas_loop.iterate(
             step, p, h, x_, iters=k, max_iters=case.max_iters, options=opts))
         variants[f"whole C={chunk}"] = (lambda h, r, f=run_at: f(params, h, r["x"], r["iters"]))
-        variants[f"sorted C={chunk}"] = skipping(lambda h, r, f=run_at: f(params, h, r["x"],
+        variants[f"sorted C={chunk}"] = in_order(lambda h, r, f=run_at: f(params, h, r["x"],
                                                                          sorted_iters(r)))
       if args.parts:
         variants.update(_parts(batch, case.max_iters))
         # The forward with the active-rows table searched (before it compared).
         variants["whole, active rows searched"] = ({"COMPARE_ALL_LIMIT": 0}, False)
         variants["sorted, active rows searched"] = ({"COMPARE_ALL_LIMIT": 0}, True)
-        # With the device branch that leaves rows already in order unmoved.
-        variants["whole, sortedness branch"] = ({"SKIP_IF_SORTED": True}, False)
       if args.pieces:
         variants["whole no pieces"] = ({"SMALLEST_PIECE": 1 << 30}, False)
         variants["sorted no pieces"] = ({"SMALLEST_PIECE": 1 << 30}, True)
@@ -188,12 +185,11 @@ def main(argv=None) -> int:
           variants[f"sorted C={chunk}"] = ({"LARGEST_CHUNK": chunk}, True)
       for name, fn in variants.items():
         if isinstance(fn, tuple):  # the group kernel's constants patched while traced
-          values, in_order = fn
-          if in_order:  # a `sorted` variant: the permutation skipped, as above
-            values = {"SKIP_IF_SORTED": True, **values}
-          variants[name] = (lambda h, r, values=values, in_order=in_order: tpu_design._traced_with(  # pylint: disable=protected-access
+          values, given_sorted = fn
+          patched = (lambda h, r, values=values, given_sorted=given_sorted: tpu_design._traced_with(  # pylint: disable=protected-access
               kernel_tpu_groups, values, pallas, params, h, r["x"],
-              sorted_iters(r) if in_order else r["iters"]))
+              sorted_iters(r) if given_sorted else r["iters"]))
+          variants[name] = in_order(patched) if given_sorted else patched
       _time(variants, case, h0, inputs, useful, floor, args.repeats, write, args.only)
   return 0
 

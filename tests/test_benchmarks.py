@@ -305,8 +305,8 @@ def test_tpu_split_runs_every_variant(tmp_path, flags):
   names = {r["variant"] for r in lines}
   if "--grad" in flags:
     assert {"grad masked_scan", "grad whole", "grad sorted", "grad whole no pieces",
-            "grad whole, active rows searched", "grad whole, sortedness branch"} <= names
+            "grad whole, active rows searched"} <= names
   else:
     assert {"whole", "sorted", "permutation", "whole C=64", "sorted no pieces",
             "parts: sort + active_rows (compare all)", "whole, active rows searched",
-            "whole, sortedness branch"} <= names
+            "sorted, active rows searched"} <= names

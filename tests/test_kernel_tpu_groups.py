@@ -16,6 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import pallas_loop
 from pallas_loop import _reference as reference
+from pallas_loop._src.kernels import backend as backend_lib
 from pallas_loop._src.kernels import backend_mosaic_tpu
 from pallas_loop._src import dispatch
 from pallas_loop._src.kernels import kernel_forward
@@ -260,25 +261,8 @@ def test_pieces_need_the_chunks_constants(monkeypatch):
 
 
 def _primitives(fn, *args) -> set[str]:
-  """The primitives of fn's jaxpr around the kernels: nested jaxprs (custom_vjp,
-  jit, cond) included, a `pallas_call`'s body not."""
-  seen = set()
-
-  def walk(value):
-    if isinstance(value, jax.extend.core.ClosedJaxpr):
-      value = value.jaxpr
-    if isinstance(value, jax.extend.core.Jaxpr):
-      for eqn in value.eqns:
-        seen.add(eqn.primitive.name)
-        if eqn.primitive.name != "pallas_call":
-          for param in eqn.params.values():
-            walk(param)
-    elif isinstance(value, (tuple, list)):
-      for v in value:
-        walk(v)
-
-  walk(jax.make_jaxpr(fn)(*args))
-  return seen
+  """The primitives of fn's jaxpr, nested jaxprs (custom_vjp, jit, the kernels) included."""
+  return {e.primitive.name for e in backend_lib.iter_eqns(jax.make_jaxpr(fn)(*args).jaxpr)}
 
 
 @pytest.mark.parametrize("grad", [False, True])
@@ -298,10 +282,10 @@ def test_one_count_moves_no_row(grad):
     prims = _primitives(run(one), params, h0)
     assert "sort" not in prims and "gather" not in prims, prims
   assert "sort" in _primitives(run(jnp.full((64,), 5)), params, h0)
-  want = oracle.reference_pair(step, params, h0, x, iters=5, max_iters=5)[0]
+  oracle_run = lambda p, h: reference.iterate(step, p, h, x, iters=5, max_iters=5)
   if grad:
-    want = jax.grad(lambda p, h: jnp.sum(reference.iterate(step, p, h, x, iters=5, max_iters=5)),
-                    argnums=(0, 1))(params, h0)
+    oracle_run = jax.grad(lambda p, h, f=oracle_run: jnp.sum(f(p, h)), argnums=(0, 1))
+  want = oracle_run(params, h0)
   for one in (5, jnp.full((64,), 5)):
     got = run(one)(params, h0)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -263,8 +263,8 @@ def forward_fn(step_fn: step_fn_lib.StepFn, options: Options, *, max_iters: int,
     residual: track each row's last residual (False when the caller does not
       ask for it: saves a reduction per step; the residual output is then 0).
     outputs: the per-step outputs' buffer avals ([B, T, ...] leaves), or None.
-    in_order: every row has the same count (known at trace time): the
-      kernels sort no rows.
+    in_order: the rows are in count order, known at trace time (one count
+      for every row): the kernels sort no rows.
   """
 
   def run_xla(ops: LoopOperands) -> LoopOutputs:
@@ -295,8 +295,8 @@ def window_fn(step_fn: step_fn_lib.StepFn, options: Options, *,
   backend's own, `Backend.plan_backward`, else the tile kernel every backend
   shares, `kernel_backward.py`), else XLA (`xla_backward.py`). `bound` (the
   static bound on n) and `every` (checkpoint interval or None: the kernel's
-  choice) are static. `in_order`: every window has the same length (known at
-  trace time): the kernels sort no rows.
+  choice) are static. `in_order`: the windows are in length order, known at
+  trace time (one length for every row): the kernels sort no rows.
   """
 
   def window(ops: WindowOperands, bound: int, every: int | None) -> Gradients:

@@ -142,8 +142,7 @@ def slot_rows(counts: jax.Array, rows: int, *, sort: bool) -> tuple[jax.Array, j
 
 def in_tiles(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
              counts: jax.Array, *, rows: int, sort: bool,
-             must_be_finite: bool, skip_if_sorted: bool = False,
-             invert_by_sort: bool = False) -> tuple[Any, Any]:
+             must_be_finite: bool, invert_by_sort: bool = False) -> tuple[Any, Any]:
   """Runs `run` on the rows ordered by count and padded to `rows` rows.
 
   Args:
@@ -156,9 +155,6 @@ def in_tiles(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
     rows: the padded row count (`padded_rows`); B when there is no padding.
     sort: order rows by descending count first.
     must_be_finite: see `pad_rows`.
-    skip_if_sorted: with `sort`, rows whose counts already descend (every
-      row the same count, say) are not moved: a branch on the device runs
-      the gathers only when the counts are out of order.
     invert_by_sort: `inverse_permutation(by_sort=True)`.
 
   Returns:
@@ -171,26 +167,14 @@ def in_tiles(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
     (Array([1, 6, 6], dtype=int32), 4)
   """
   batch = counts.shape[0]
-
-  def ordered(per_row, counts):
+  if sort:
     # One sort yields the order and the sorted counts (no gather of the counts).
     counts, order = sorted_descending(counts)
-    return take_rows(per_row, order), counts, order
-
-  if sort and skip_if_sorted and batch > 1:
-    in_order = jnp.all(counts[:-1] >= counts[1:])
-    per_row, counts, order = lax.cond(
-        in_order, lambda a, c: (a, c, jnp.arange(batch, dtype=jnp.int32)), ordered,
-        per_row, counts)
-  elif sort:
-    per_row, counts, order = ordered(per_row, counts)
+    per_row = take_rows(per_row, order)
   per_row = pad_rows(per_row, rows, must_be_finite=must_be_finite)
   counts = jnp.pad(counts, (0, rows - batch))  # padded rows never apply a step
   out, other = run(per_row, counts)
   out = tree_util.tree_map(lambda a: a[:batch], out)
-  restore = lambda a, o: take_rows(a, inverse_permutation(o, by_sort=invert_by_sort))
-  if sort and skip_if_sorted and batch > 1:
-    out = lax.cond(in_order, lambda a, _: a, restore, out, order)
-  elif sort:
-    out = restore(out, order)
+  if sort:
+    out = take_rows(out, inverse_permutation(order, by_sort=invert_by_sort))
   return out, other

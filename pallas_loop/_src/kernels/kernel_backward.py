@@ -242,7 +242,7 @@ class WindowPlan:
   def run(self, ops: WindowOperands, *, sort_rows: bool, in_order: bool = False,
           schedule: str | None = None) -> Gradients:
     """`run` with this plan (the interface the TPU's group backward shares;
-    `in_order`: every window has the same length, so no row is sorted)."""
+    `in_order`: the windows are known in length order, so no row is sorted)."""
     return run(self, ops, sort_rows=sort_rows and not in_order, schedule=schedule)
 
 

@@ -144,7 +144,7 @@ class TilePlan:
   def run(self, ops: LoopOperands, *, sort_rows: bool, in_order: bool = False,
           residual: bool = True, schedule: str | None = None) -> LoopOutputs:
     """`run(self, ops, ...)`: the kernel on the rows in tiles (`in_order`:
-    every row has the same count, so none is sorted)."""
+    the rows are known in count order, so none is sorted)."""
     return run(self, ops, sort_rows=sort_rows and not in_order, residual=residual,
                schedule=schedule)
 

@@ -89,15 +89,6 @@ SMALLEST_PIECE = 256
 # The active-rows table (`active_rows`) compares every count with every step
 # up to this many comparisons (B=32768 at T=512), else searches.
 COMPARE_ALL_LIMIT = 1 << 24
-# A branch on the device that leaves rows whose counts already descend
-# unmoved (`tiling.in_tiles`' skip_if_sorted), in both group kernels: off.
-# Inside a branch XLA copies the operands it gathers into VMEM synchronously;
-# on a TPU v5e, B=32768 (RESULTS.md, "The active-rows table and the
-# sortedness branch"), the branch cost the recurrent-depth gradient 0.33 ms
-# and the forward 0.04 ms when rows are out of order, more than the gathers
-# it saves on equal counts. Equal counts written as one count (`iters` a
-# scalar or None) are known at trace time and move nothing (`in_order`).
-SKIP_IF_SORTED = False
 
 
 def piece_rows(chunk: int) -> tuple[int, ...]:
@@ -676,8 +667,8 @@ def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True,
     ops: the loop's operands (consts: the caller's; the kernel takes the
       traced step's own constants from `p`).
     residual: track each row's last residual (else it is returned as 0).
-    in_order: every row has the same count (known at trace time): no row is
-      sorted or moved.
+    in_order: the rows are in count order, known at trace time (one count
+      for every row): no row is sorted or moved.
   """
   assert not p.problems and p.config is not None, p.problems
   track = residual or ops.halting is not None
@@ -709,11 +700,17 @@ def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True,
   # only for a keyed step), and only what it computes travels back: without
   # tracking, each row applied its count, none halted, no residual is asked
   # for, and those are known in the caller's order. Each leaf travels in its
-  # own gather (`tiling.take_rows` says why not one packed gather).
+  # own gather (`tiling.take_rows` says why not one packed gather). Rows
+  # are moved whenever the counts are not known in order at trace time
+  # (`in_order`): a device branch that skipped the gathers for counts found
+  # in order cost more than it saved, because XLA copies a branch's gathered
+  # operands into VMEM synchronously (on a TPU v5e, B=32768: +0.33 ms on the
+  # recurrent-depth gradient, +0.04 ms on the forward; RESULTS.md, "The
+  # active-rows table and the sortedness branch").
   index = ops.row_ids if p.uses_rows else None
   (h, tracked), _ = tiling.in_tiles(
       on_groups, (ops.h0, ops.x, index), ops.counts, rows=padded, sort=not in_order,
-      must_be_finite=False, skip_if_sorted=SKIP_IF_SORTED, invert_by_sort=True)
+      must_be_finite=False, invert_by_sort=True)
   if track:
     residual_out, steps, halted = tracked
     return LoopOutputs(h, residual_out, steps, halted > 0, None)

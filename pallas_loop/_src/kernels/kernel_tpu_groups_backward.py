@@ -443,8 +443,8 @@ def run(p: GroupWindowPlan, ops: WindowOperands, *, in_order: bool = False) -> G
     p: from `plan`.
     ops: the window (consts: the caller's; the kernel takes the traced
       step's own constants from `p`).
-    in_order: every window has the same length (known at trace time): no
-      row is sorted or moved.
+    in_order: the windows are in length order, known at trace time (one
+      length for every row): no row is sorted or moved.
 
   Returns:
     (g_params, g_consts, g_h_start, g_x), in the operands' dtypes (None for
@@ -484,7 +484,7 @@ def run(p: GroupWindowPlan, ops: WindowOperands, *, in_order: bool = False) -> G
              ops.row_ids if p.reads_rows else None)
   (g_h, g_x), group_sums = tiling.in_tiles(
       on_groups, per_row, ops.n, rows=padded, sort=not in_order, must_be_finite=True,
-      skip_if_sorted=kernel_tpu_groups.SKIP_IF_SORTED, invert_by_sort=True)
+      invert_by_sort=True)
   return kernel_backward.assemble(ops, group_sums, g_h, g_x, shared_shapes=p.shared_shapes,
                                   sources=p.traced.sources)
 

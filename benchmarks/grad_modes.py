@@ -2,11 +2,16 @@
 
     python -m benchmarks.grad_modes            # CPU-safe default
     python -m benchmarks.grad_modes --json out.json
+    python -m benchmarks.grad_modes --batch 32768 --d 128   # an accelerator's scale
 
-For each mode, `jax.jit(jax.grad(loss))` of `pallas_loop.iterate` against
-`jax.jit(jax.grad(loss))` of the masked-scan reference (which stores every
-step for autodiff), in one run: median time ratio and the compiled temporary
-memory (`memory_analysis().temp_size_in_bytes`) ratio. The modes that are
+For each mode, `jax.grad(loss)` of `pallas_loop.iterate` against
+`jax.grad(loss)` of the masked-scan reference (which stores every step for
+autodiff), in one run: the time ratio and the compiled temporary memory
+(`memory_analysis().temp_size_in_bytes`) ratio. Times are the device's: the
+gradient applied many times inside one `jit`, each application on its own
+rows, the state fed back (`device_timing.chained_seconds`: `harness.CHAIN`
+applications on an accelerator, `harness.CPU_CHAIN` on a CPU), the floor of a
+jitted call measured beside and left out; medians of `--repeats` calls. The modes that are
 exact (`Full`, `Truncated` vs the reference's own truncation) are checked
 against the reference; a mismatch exits non-zero. With `tol` halting, a row
 within rounding of the tolerance may halt a step apart in two implementations:
@@ -19,6 +24,7 @@ are approximations by design: their gradients are reported, not checked, here
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -30,6 +36,7 @@ import numpy as np
 import pallas_loop
 from pallas_loop import _reference as reference
 from benchmarks import blocks
+from benchmarks import device_timing
 from benchmarks import harness
 
 
@@ -58,6 +65,26 @@ DEFAULT_CASES = (
     GradCase("deq", 256, 64, 64, pallas_loop.Implicit(tol=1e-6, max_iters=64), **_DEQ),
     GradCase("deq", 256, 64, 64, pallas_loop.Phantom(4), **_DEQ),
 )
+
+
+def device_seconds(grad, args, *, repeats: int, floor: float) -> tuple[float, int]:
+  """(seconds of one application of `grad` on the device, the chain): `grad`
+  (params, h0, x) -> gradients w.r.t. all three, applied inside one `jit`
+  (`device_timing.chained_seconds`) with the state gradient folded into the
+  next application's `h0` multiplied by 0 (not simplified away for floats)
+  and one element of every other gradient added to it, so that the whole
+  gradient is computed each time."""
+  params, h0, x = args
+
+  def apply(h, rows):
+    g_params, g_h, g_x = grad(params, h, rows["x"])
+    touch = sum(jnp.ravel(a)[0].astype(jnp.float32)
+                for a in jax.tree.leaves((g_params, g_x)))
+    return jax.tree.map(lambda a, g: a + (0 * (g.astype(jnp.float32) + touch)).astype(a.dtype),
+                        h, g_h)
+
+  return device_timing.chained_seconds(apply, h0, {"x": x}, chain=harness.default_chain(),
+                                       repeats=repeats, floor=floor)
 
 
 def run_case(case: GradCase, impls, repeats: int):
@@ -89,7 +116,8 @@ def run_case(case: GradCase, impls, repeats: int):
   ref = grad_fn(reference.iterate, **ref_kw)
   args = (params, h0, x)
   ref_steps = steps_of(reference.iterate) if case.tol is not None else None
-  ref_time = harness.median_seconds(ref, *args, repeats=repeats)
+  floor = device_timing.floor_seconds(h0, repeats)
+  ref_time, ref_chain = device_seconds(ref, args, repeats=repeats, floor=floor)
   ref_mem = ref.lower(*args).compile().memory_analysis().temp_size_in_bytes
   want = ref(*args)
   rows = []
@@ -99,7 +127,7 @@ def run_case(case: GradCase, impls, repeats: int):
     got = f(*args)
     err = error(got, want)
     mem = f.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    t = harness.median_seconds(f, *args, repeats=repeats)
+    t, chain = device_seconds(f, args, repeats=repeats, floor=floor)
     ok = (not exact) or err < 1e-4
     halting = {}
     if ref_steps is not None:
@@ -120,6 +148,7 @@ def run_case(case: GradCase, impls, repeats: int):
       ok = (not exact) or (err_at_steps < 1e-4 and step_gap <= 1
                            and elsewhere <= case.batch // 100)
     rows.append(dict(case=case.name, impl=impl, time_s=t, speedup_vs_scan_grad=ref_time / t,
+                     scan_time_s=ref_time, floor_seconds=floor, chain=chain,
                      temp_bytes=mem, memory_vs_scan_grad=mem / ref_mem if ref_mem else None,
                      rel_diff_vs_ref=err, checked=exact, ok=ok, **halting))
   return rows
@@ -147,8 +176,9 @@ def print_rows(rows):
 
 
 def print_legend():
-  print("vs scan: jit(grad) of the masked-scan reference in the same run (time: "
-        "speedup; memory: compiled temporaries ratio). rel.diff: the gradient's "
+  print("median: one application's device time (chained inside one jit, the floor "
+        "of a jitted call left out). vs scan: jit(grad) of the masked-scan reference "
+        "in the same run (time: speedup; memory: compiled temporaries ratio). rel.diff: the gradient's "
         "relative difference from the exact one; * = approximate mode, difference "
         "reported, not checked.")
 
@@ -164,11 +194,17 @@ def scaled_cases(batch: int, d: int):
   return tuple(dataclasses.replace(c, batch=batch, d=d) for c in DEFAULT_CASES)
 
 
-def run_all(impls, repeats: int, cases=DEFAULT_CASES):
-  """Every case of `cases` on `impls`; the rows `print_table` prints."""
+def run_all(impls, repeats: int, cases=DEFAULT_CASES, on_row=None):
+  """Every case of `cases` on `impls`; the rows `print_table` prints.
+  `on_row(row)` is called on each row as its case finishes (a run cut short
+  keeps what it measured)."""
   rows = []
   for case in cases:
-    rows += run_case(case, impls, repeats)
+    new = run_case(case, impls, repeats)
+    for r in new:
+      if on_row is not None:
+        on_row(r)
+    rows += new
   return rows
 
 
@@ -177,13 +213,28 @@ def main(argv=None) -> int:
   parser.add_argument("--json", help="also write the results to this file")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--impls", default="xla,pallas")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="every case at this batch (and --d): an accelerator's scale")
+  parser.add_argument("--d", type=int, default=None, help="every case at this width")
+  parser.add_argument("--precision", default=None,
+                      help="jax.default_matmul_precision for the run (e.g. highest: the "
+                           "float32 checks at 1e-4 on a TPU, whose default is one bf16 pass)")
+  parser.add_argument("--out", default=None, help="also append each row here as a JSON line")
   args = parser.parse_args(argv)
+  cases = DEFAULT_CASES
+  if args.batch is not None or args.d is not None:
+    cases = tuple(dataclasses.replace(c, batch=args.batch or c.batch, d=args.d or c.d)
+                  for c in DEFAULT_CASES)
   print(f"pallas_loop gradient modes: JAX {jax.__version__}, device "
         f"{jax.devices()[0].device_kind} ({jax.default_backend()})")
   if jax.default_backend() == "cpu":
     print("note: on CPU the Pallas kernels (forward and fused backward) run in "
           "interpret mode; medians of", args.repeats)
-  rows = run_all(args.impls.split(","), args.repeats)
+  write = device_timing.json_lines(args.out) if args.out else None
+  with jax.default_matmul_precision(args.precision) if args.precision else contextlib.nullcontext():
+    rows = run_all(args.impls.split(","), args.repeats, cases,
+                   on_row=None if write is None else
+                   (lambda r: write(dict(r, matmul_precision=args.precision))))
   print_table(rows)
   if args.json:
     with open(args.json, "w") as f:

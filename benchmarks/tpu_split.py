@@ -25,7 +25,9 @@ for the tanh RNN (D=128, bfloat16) inside one `jit` as `gpu_check` does
                 scatter, the active-rows table by `searchsorted` and by
                 comparing every count with every step; and the forward
                 (whole, sorted) with the table searched
-                (`kernel_tpu_groups.COMPARE_ALL_LIMIT` 0)
+                (`kernel_tpu_groups.COMPARE_ALL_LIMIT` 0), and the batch as one
+                slab (`kernel_tpu_groups.SLAB_BYTES` out of reach: one
+                permutation of every row, however many bytes they take)
   whole, one count  constant counts given as `iters=T` (`whole`: the [B]
                 array): nothing sorted, known at trace time
 
@@ -172,6 +174,9 @@ def main(argv=None) -> int:
                                                                          sorted_iters(r)))
       if args.parts:
         variants.update(_parts(batch, case.max_iters))
+        # A batch over `SLAB_BYTES` as one slab (before the slabs): one
+        # permutation of every row.
+        variants["whole, one slab"] = ({"SLAB_BYTES": 1 << 62}, False)
         # The forward with the active-rows table searched (before it compared).
         variants["whole, active rows searched"] = ({"COMPARE_ALL_LIMIT": 0}, False)
         variants["sorted, active rows searched"] = ({"COMPARE_ALL_LIMIT": 0}, True)

@@ -290,3 +290,70 @@ def test_one_count_moves_no_row(grad):
     got = run(one)(params, h0)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+@pytest.fixture
+def small_slabs(monkeypatch):
+  """Slabs of 64 rows (a tanh RNN at D=16 in float32: 192 bytes a row)."""
+  monkeypatch.setattr(kernel_tpu_groups, "SLAB_BYTES", 64 * 192)
+
+
+def test_slabs_sort_and_run_a_slab_at_a_time(small_slabs):
+  # A batch larger than a slab: each slab's rows are sorted, run and put back
+  # on their own; the padding of the last slab reaches no result.
+  step, params, h0, x = blocks.make("tanh_rnn", 300, 16)
+  n = cases.counts("ragged", 300, max_iters=9, seed=7)
+  kw = dict(iters=n, max_iters=9)
+  (got, info), plans = _run(step, params, h0, x, return_info=True, **kw)
+  assert plans[0].slabs == 5 and plans[0].slab_rows == 64, (plans[0].slabs, plans[0].slab_rows)
+  want, ref_info = reference.iterate(step, params, h0, x, return_info=True, **kw)
+  oracle.assert_trees_close(got, want)
+  np.testing.assert_array_equal(info.steps, ref_info.steps)
+  assert "while" in _primitives(
+      lambda h: pallas_loop.iterate(step, params, h, x, **kw,
+                                    options=TPU_INTERPRET.replace(block_rows=16)), h0)
+
+
+def test_slabs_with_halting_keys_and_the_gradient(small_slabs):
+  # What travels with a row through its slab: the rows' indices (a keyed
+  # step draws the oracle's bits), the tracked columns (tol halting), and
+  # the gradient through the forward's residuals.
+  def step(params, h, x, *, key, index):
+    w, u, b = params
+    new = jnp.tanh(h @ w + x @ u + b + 0.01 * index.astype(h.dtype))
+    return pallas_loop.random.dropout(key, new, 0.25)
+
+  _, params, h0, x = blocks.make("tanh_rnn", 200, 16)
+  n = cases.counts("ragged", 200, seed=8)
+  kw = dict(iters=n, max_iters=cases.MAX_ITERS, key=jax.random.key(3), step_index=True)
+  got, plans = _run(step, params, h0, x, **kw)
+  assert plans[0].slabs > 1 and plans[0].uses_rows
+  oracle.assert_trees_close(got, reference.iterate(step, params, h0, x, **kw))
+
+  deq, p_deq, h_deq, x_deq = blocks.make("deq", 150, 16)
+  halting = dict(max_iters=30, tol=1e-3, min_iters=2)
+  (got, info), plans = _run(deq, p_deq, h_deq, x_deq, return_info=True, **halting)
+  assert plans[0].slabs > 1
+  want, ref_info = reference.iterate(deq, p_deq, h_deq, x_deq, return_info=True, **halting)
+  oracle.assert_trees_close(got, want)
+  np.testing.assert_array_equal(info.steps, ref_info.steps)
+  np.testing.assert_array_equal(info.halted, ref_info.halted)
+
+  rnn, p_rnn, h_rnn, x_rnn = blocks.make("tanh_rnn", 150, 16)
+  m = cases.counts("ragged", 150, seed=9)
+  loss = lambda run: (lambda p, h: jnp.sum(run(rnn, p, h, x_rnn, iters=m, max_iters=cases.MAX_ITERS)))
+  kernel = lambda *a, **k: pallas_loop.iterate(*a, **k, options=TPU_INTERPRET.replace(block_rows=16))
+  got = jax.grad(loss(kernel), argnums=(0, 1))(p_rnn, h_rnn)
+  want = jax.grad(loss(reference.iterate), argnums=(0, 1))(p_rnn, h_rnn)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+def test_slab_rows():
+  h = jax.ShapeDtypeStruct((300, 16), jnp.float32)
+  assert kernel_tpu_groups.slab_rows(300, 16, h, h) == 300  # 57,600 bytes: one slab
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(kernel_tpu_groups, "SLAB_BYTES", 64 * 192)
+    assert kernel_tpu_groups.slab_rows(300, 16, h, h) == 64
+    assert kernel_tpu_groups.slab_rows(300, 32, h, h) == 128  # one group of 4 chunks at least
+    assert kernel_tpu_groups.slab_rows(300, 16, h, None) == 96  # 128 bytes a row

@@ -89,6 +89,16 @@ SMALLEST_PIECE = 256
 # The active-rows table (`active_rows`) compares every count with every step
 # up to this many comparisons (B=32768 at T=512), else searches.
 COMPARE_ALL_LIMIT = 1 << 24
+# XLA runs the row permutation around the kernel (the sort, a gather a leaf
+# into count order and one back) and keeps its operands in VMEM while they
+# fit: compiled for a v5e, the tanh RNN's forward at B=32768, D=128 (the
+# state, the hoisted float32 `x U` and the result: 1 KiB a row, 32 MiB)
+# holds every one of them in VMEM, at B=262144 none, and its gathers then go
+# through HBM (0.952 ns a useful row-step against 0.456 at B=32768 on the
+# chip; RESULTS.md, run Q). A batch whose permuted rows take more bytes than
+# this runs in slabs of about this size, one after another, each sorted, run
+# and put back on its own (`slab_rows`).
+SLAB_BYTES = 32 * 2**20
 
 
 def piece_rows(chunk: int) -> tuple[int, ...]:
@@ -179,6 +189,9 @@ class GroupPlan(GroupLayout):
     max_iters: T, the counts' bound (the active table's columns).
     pieces: (rows, the step traced at them) for a step's partial chunk
       (`trace_pieces`).
+    slab_rows: the rows of one slab (a multiple of G dividing `rows`): rows
+      out of count order are sorted and run a slab at a time
+      (`SLAB_BYTES`); `rows` when the batch is one slab.
   """
 
   backend: backend_lib.Backend
@@ -195,6 +208,12 @@ class GroupPlan(GroupLayout):
   uses_rows: bool = False
   max_iters: int = 0
   pieces: tuple = ()
+  slab_rows: int = 0
+
+  @property
+  def slabs(self) -> int:
+    """Slabs the rows run in when they are sorted (1: the batch is one)."""
+    return self.rows // self.slab_rows if self.slab_rows else 1
 
   def run(self, ops: LoopOperands, *, sort_rows: bool, in_order: bool = False,
           residual: bool = True, schedule: str | None = None) -> LoopOutputs:
@@ -266,7 +285,8 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
   fp = footprint_lib.measure(
       [(traced.jaxpr, n_params)], batch=batch, block_rows=chunk, shared_avals=shared_avals,
       row_block_avals=_row_blocks(h0, x, chunk, columns=4))
-  config, group, config_problems = _configure(backend, fp, batch, chunk, h0, x, shared_avals)
+  slab = slab_rows(batch, chunk, h0, x)
+  config, group, config_problems = _configure(backend, fp, slab, chunk, h0, x, shared_avals)
   config = backend_lib.for_call(config, h0, approx_tanh)
   if (config is None and (block_rows is None or halving) and not problems
       and chunk // 2 >= backend_mosaic_tpu.SMALLEST_TILE):
@@ -276,15 +296,36 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
     return plan(backend, step_fn, params, consts, h0, x, chunk // 2, outputs,
                 sort_rows=sort_rows, max_iters=max_iters, halving=True,
                 approx_tanh=approx_tanh)
-  padded = tiling.padded_rows(tiling.padded_rows(batch, chunk), group)
+  slabs = max(1, -(-batch // max(slab, 1)))  # an empty batch: one slab of one chunk
+  slab = tiling.padded_rows(tiling.padded_rows(-(-batch // slabs), chunk), group)
+  padded = slabs * slab
   return GroupPlan(
-      backend=backend, chunk_rows=chunk, group_rows=group, rows=padded, traced=traced,
+      backend=backend, chunk_rows=chunk, group_rows=group, rows=padded, slab_rows=slab,
+      traced=traced,
       param_shapes=tuple(np.shape(a) for a in tree_util.tree_leaves(params)),
       const_shapes=tuple(np.shape(c) for c in traced.const_values),
       config=config, footprint=fp, problems=tuple(problems + config_problems),
       sliced=frozenset(sliced), uses_rows=uses_rows, max_iters=max_iters,
       pieces=() if problems or config_problems else trace_pieces(step_fn, params, consts, h0, x,
                                                                  chunk, traced))
+
+
+def slab_rows(batch: int, chunk: int, h0, x) -> int:
+  """The rows of a slab: the batch where its permuted rows (the state in and
+  out, the inputs) take at most `SLAB_BYTES`, else the most whole chunks
+  that do (at least `CHUNKS_PER_GROUP` of them, one group's).
+
+  Example:
+    >>> h = jax.ShapeDtypeStruct((262144, 128), jnp.bfloat16)
+    >>> x = jax.ShapeDtypeStruct((262144, 128), jnp.float32)
+    >>> slab_rows(262144, 2048, h, x), slab_rows(32768, 2048, h, x)
+    (32768, 32768)
+  """
+  per_row = sum(math.prod(a.shape[1:]) * jnp.dtype(a.dtype).itemsize
+                for a in 2 * tree_util.tree_leaves(h0) + tree_util.tree_leaves(x))
+  if batch * per_row <= SLAB_BYTES:
+    return batch
+  return max(CHUNKS_PER_GROUP * chunk, SLAB_BYTES // max(per_row, 1) // chunk * chunk)
 
 
 def chunk_blocks(backend: backend_lib.Backend, batch: int, chunk: int,
@@ -662,6 +703,11 @@ def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True,
         in_order: bool = False) -> LoopOutputs:
   """Runs the group kernel on the rows, sorted by descending count.
 
+  A batch of more than one slab (`SLAB_BYTES`) whose rows must be sorted
+  runs a slab at a time (`lax.map`): each slab's rows are sorted, run and
+  put back on their own, so that XLA keeps each permutation's operands in
+  VMEM. Rows known in order move nowhere and run as one batch.
+
   Args:
     p: from `plan`, with no problems.
     ops: the loop's operands (consts: the caller's; the kernel takes the
@@ -671,6 +717,29 @@ def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True,
       for every row): no row is sorted or moved.
   """
   assert not p.problems and p.config is not None, p.problems
+  if in_order or p.slabs == 1:
+    return _run_rows(p, ops, residual=residual, in_order=in_order)
+  batch, slabs = ops.counts.shape[0], p.slabs
+  one = dataclasses.replace(p, rows=p.slab_rows)
+  # Padding rows copy a real row (finite) and run no step (count 0).
+  per_row = tiling.pad_rows((ops.h0, ops.x, ops.row_ids), p.rows, must_be_finite=False)
+  counts = jnp.pad(ops.counts, (0, p.rows - batch))
+  stacked = tree_util.tree_map(lambda a: a.reshape((slabs, p.slab_rows) + a.shape[1:]),
+                               (per_row, counts))
+
+  def on_slab(slab):
+    (h0, x, row_ids), n = slab
+    out = _run_rows(one, ops._replace(h0=h0, x=x, counts=n, row_ids=row_ids),
+                    residual=residual, in_order=False)
+    return out._replace(ys=None)
+
+  out = lax.map(on_slab, stacked)
+  return tree_util.tree_map(lambda a: a.reshape((p.rows,) + a.shape[2:])[:batch], out)
+
+
+def _run_rows(p: GroupPlan, ops: LoopOperands, *, residual: bool,
+              in_order: bool) -> LoopOutputs:
+  """`run` on `p.rows` rows padded to whole groups, one permutation."""
   track = residual or ops.halting is not None
   group, padded = p.group_rows, p.rows
   max_iters = p.max_iters

@@ -36,6 +36,20 @@ BF16_PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v6 lite": 918.0
                     "A100": 312.0}
 
 
+# Applications per timed jit call (`chained_seconds`): on an accelerator a
+# jitted call's host round trip (~0.6 ms on the TPU v5e) is more than a whole
+# loop at B=4096, so many applications share one call; on a CPU the round
+# trip is tens of microseconds against milliseconds of work, so two do (the
+# chain still grows while a call is under ten floors).
+CHAIN = 16
+CPU_CHAIN = 2
+
+
+def default_chain() -> int:
+  """`CHAIN` on an accelerator, `CPU_CHAIN` on a CPU."""
+  return CPU_CHAIN if jax.default_backend() == "cpu" else CHAIN
+
+
 def peak_tflops(device_kind: str) -> float | None:
   """The data-sheet bf16 peak of a device kind, or None when unknown.
 

@@ -9,8 +9,8 @@ For each mode, `jax.grad(loss)` of `pallas_loop.iterate` against
 autodiff), in one run: the time ratio and the compiled temporary memory
 (`memory_analysis().temp_size_in_bytes`) ratio. Times are the device's: the
 gradient applied many times inside one `jit`, each application on its own
-rows, the state fed back (`device_timing.chained_seconds`: `harness.CHAIN`
-applications on an accelerator, `harness.CPU_CHAIN` on a CPU), the floor of a
+rows, the state fed back (`device_timing.chained_seconds`: `device_timing.CHAIN`
+applications on an accelerator, `device_timing.CPU_CHAIN` on a CPU), the floor of a
 jitted call measured beside and left out; medians of `--repeats` calls. The modes that are
 exact (`Full`, `Truncated` vs the reference's own truncation) are checked
 against the reference; a mismatch exits non-zero. With `tol` halting, a row
@@ -37,7 +37,6 @@ import pallas_loop
 from pallas_loop import _reference as reference
 from benchmarks import blocks
 from benchmarks import device_timing
-from benchmarks import harness
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +82,7 @@ def device_seconds(grad, args, *, repeats: int, floor: float) -> tuple[float, in
     return jax.tree.map(lambda a, g: a + (0 * (g.astype(jnp.float32) + touch)).astype(a.dtype),
                         h, g_h)
 
-  return device_timing.chained_seconds(apply, h0, {"x": x}, chain=harness.default_chain(),
+  return device_timing.chained_seconds(apply, h0, {"x": x}, chain=device_timing.default_chain(),
                                        repeats=repeats, floor=floor)
 
 

@@ -126,18 +126,10 @@ count_distribution = cases.count_distribution
 # One timing routine for the library's tuner and the call-by-call benchmarks.
 median_seconds = tuning.median_seconds
 
-# Applications per timed jit call (`device_timing.chained_seconds`): on an
-# accelerator a jitted call's host round trip (~0.6 ms on the TPU v5e) is
-# more than a whole loop at B=4096, so many applications share one call; on
-# a CPU the round trip is tens of microseconds against milliseconds of work,
-# so two do (the chain still grows while a call is under ten floors).
-CHAIN = 16
-CPU_CHAIN = 2
-
-
-def default_chain() -> int:
-  """`CHAIN` on an accelerator, `CPU_CHAIN` on a CPU."""
-  return CPU_CHAIN if jax.default_backend() == "cpu" else CHAIN
+# Applications per timed jit call: `device_timing` says why.
+CHAIN = device_timing.CHAIN
+CPU_CHAIN = device_timing.CPU_CHAIN
+default_chain = device_timing.default_chain
 
 
 def max_error(got, want) -> float:

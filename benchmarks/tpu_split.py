@@ -27,7 +27,9 @@ for the tanh RNN (D=128, bfloat16) inside one `jit` as `gpu_check` does
                 (whole, sorted) with the table searched
                 (`kernel_tpu_groups.COMPARE_ALL_LIMIT` 0), and the batch as one
                 slab (`kernel_tpu_groups.SLAB_BYTES` out of reach: one
-                permutation of every row, however many bytes they take)
+                permutation of every row, however many bytes they take); the
+                inverse permutation by a scatter told its indices are unique, and
+                the forward with its rows put back by such a scatter (no inverse)
   whole, one count  constant counts given as `iters=T` (`whole`: the [B]
                 array): nothing sorted, known at trace time
 
@@ -60,6 +62,9 @@ from benchmarks import harness
 from benchmarks import tpu_design
 
 
+_IN_TILES = None  # tiling.in_tiles, set by main (the package imported there)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=None)
@@ -84,6 +89,8 @@ def main(argv=None) -> int:
   import pallas_loop  # pylint: disable=g-import-not-at-top
   from pallas_loop._src import tiling  # pylint: disable=g-import-not-at-top
   from pallas_loop._src import validation  # pylint: disable=g-import-not-at-top
+  global _IN_TILES
+  _IN_TILES = tiling.in_tiles
   from pallas_loop._src.kernels import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
 
   for batch in (int(b) for b in args.batches.split(",")):
@@ -177,6 +184,12 @@ def main(argv=None) -> int:
         # A batch over `SLAB_BYTES` as one slab (before the slabs): one
         # permutation of every row.
         variants["whole, one slab"] = ({"SLAB_BYTES": 1 << 62}, False)
+        # The rows put back by a scatter told its indices are unique, with no
+        # inverse permutation (the library: a sort for the inverse, a gather).
+        variants["whole, put back by unique scatter"] = (
+            lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
+                tiling, {"in_tiles": _in_tiles_scattered_back}, pallas, params, h, r["x"],
+                r["iters"]))
         # The forward with the active-rows table searched (before it compared).
         variants["whole, active rows searched"] = ({"COMPARE_ALL_LIMIT": 0}, False)
         variants["sorted, active rows searched"] = ({"COMPARE_ALL_LIMIT": 0}, True)
@@ -197,6 +210,26 @@ def main(argv=None) -> int:
           variants[name] = in_order(patched) if given_sorted else patched
       _time(variants, case, h0, inputs, useful, floor, args.repeats, write, args.only)
   return 0
+
+
+def _in_tiles_scattered_back(run, per_row, counts, *, rows, sort, must_be_finite,
+                             invert_by_sort=False):
+  """`tiling.in_tiles` with the outputs put back by a scatter whose indices
+  are declared unique (a permutation's), instead of a gather by the inverse
+  permutation (which costs a second sort): a `--parts` variant."""
+  from pallas_loop._src import tiling  # pylint: disable=g-import-not-at-top
+  del invert_by_sort
+  if not sort:
+    return _IN_TILES(run, per_row, counts, rows=rows, sort=False,
+                     must_be_finite=must_be_finite)
+  batch = counts.shape[0]
+  counts, order = tiling.sorted_descending(counts)
+  per_row = tiling.pad_rows(tiling.take_rows(per_row, order), rows,
+                            must_be_finite=must_be_finite)
+  out, other = run(per_row, jnp.pad(counts, (0, rows - batch)))
+  put = lambda a: jnp.zeros((batch,) + a.shape[1:], a.dtype).at[order].set(
+      a[:batch], unique_indices=True)
+  return jax.tree.map(put, out), other
 
 
 def _parts(batch: int, max_iters: int) -> dict:
@@ -229,8 +262,17 @@ def _parts(batch: int, max_iters: int) -> dict:
       return fold(h, table)
     return run
 
+  def inverse_unique(h, r):
+    # A scatter told its indices are unique (a permutation's are): XLA need
+    # not order colliding writes.
+    _, order = tiling.sorted_descending(r["iters"])
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(batch, dtype=order.dtype),
+                                              unique_indices=True)
+    return fold(h, inv)
+
   return {"parts: sort": sort, "parts: inverse by sort": inverse(True),
           "parts: inverse by scatter": inverse(False),
+          "parts: inverse by unique scatter": inverse_unique,
           "parts: sort + active_rows (searchsorted)": active(False),
           "parts: sort + active_rows (compare all)": active(True)}
 

@@ -144,6 +144,9 @@ def main(argv=None) -> int:
         if args.parts:
           variants["grad whole, active rows searched"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
               kernel_tpu_groups, {"COMPARE_ALL_LIMIT": 0}, grad_array, h, r)
+          # A batch over `SLAB_BYTES` as one slab, forward and backward.
+          variants["grad whole, one slab"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
+              kernel_tpu_groups, {"SLAB_BYTES": 1 << 62}, grad_array, h, r)
         _time(variants, case, h0, inputs, useful, floor, args.repeats, write, args.only)
         continue
       variants = {

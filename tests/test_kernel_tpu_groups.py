@@ -351,9 +351,9 @@ def test_slabs_with_halting_keys_and_the_gradient(small_slabs):
 
 def test_slab_rows():
   h = jax.ShapeDtypeStruct((300, 16), jnp.float32)
-  assert kernel_tpu_groups.slab_rows(300, 16, h, h) == 300  # 57,600 bytes: one slab
+  assert kernel_tpu_groups.slab_rows(300, 16, [h, h, h]) == 300  # 57,600 bytes: one slab
   with pytest.MonkeyPatch.context() as m:
     m.setattr(kernel_tpu_groups, "SLAB_BYTES", 64 * 192)
-    assert kernel_tpu_groups.slab_rows(300, 16, h, h) == 64
-    assert kernel_tpu_groups.slab_rows(300, 32, h, h) == 128  # one group of 4 chunks at least
-    assert kernel_tpu_groups.slab_rows(300, 16, h, None) == 96  # 128 bytes a row
+    assert kernel_tpu_groups.slab_rows(300, 16, [h, h, h]) == 64
+    assert kernel_tpu_groups.slab_rows(300, 32, [h, h, h]) == 128  # one group of 4 chunks at least
+    assert kernel_tpu_groups.slab_rows(300, 16, [h, h]) == 96  # 128 bytes a row

@@ -221,3 +221,20 @@ def test_partial_chunk_pieces(monkeypatch, block, dtype):
     oracle.assert_trees_close(_floats(got), _floats(want[0]), _floats(want[1]))
   else:
     oracle.assert_trees_close(_floats(got), _floats(want))
+
+
+@pytest.mark.parametrize("mode", ["full", pallas_loop.Truncated(2)])
+def test_slabs(monkeypatch, mode):
+  # A batch of several slabs (`kernel_tpu_groups.SLAB_BYTES` patched to about
+  # 64 rows): each slab's windows are sorted, run and put back on their own,
+  # the shared gradients summed over every slab's groups; a keyed step reads
+  # its rows' indices and first step indices through the slabs.
+  monkeypatch.setattr(kernel_tpu_groups, "SLAB_BYTES", 64 * 192)
+  _, params, h0, x = blocks.make("tanh_rnn", 150, 16)
+  n = cases.counts("ragged", 150, seed=10)
+  kw = dict(iters=n, max_iters=cases.MAX_ITERS, key=jax.random.key(2))
+  ref_kw = dict(kw, truncate=mode.k) if isinstance(mode, pallas_loop.Truncated) else None
+  got, want, plans = _grads(_dropout_rnn, params, h0, x, grad=mode, ref_kw=ref_kw, **kw)
+  assert isinstance(plans[0], groups_backward.GroupWindowPlan)
+  assert plans[0].slabs == 3 and plans[0].slab_rows == 64, (plans[0].slabs, plans[0].slab_rows)
+  oracle.assert_trees_close(_floats(got), _floats(want), what="gradient")

@@ -140,6 +140,44 @@ def slot_rows(counts: jax.Array, rows: int, *, sort: bool) -> tuple[jax.Array, j
   return load, jnp.concatenate([order, extra])
 
 
+def in_slabs(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
+             counts: jax.Array, *, slabs: int, rows: int,
+             must_be_finite: bool) -> tuple[Any, Any]:
+  """Runs `run` on `slabs` slabs of `rows` rows, one after another.
+
+  The batch is padded to `slabs * rows` rows (`pad_rows`; count 0 on the
+  padding) and cut into slabs that a `lax.map` runs in turn, so that each
+  slab's own work (a row permutation, `in_tiles`) has a slab's operands, not
+  the batch's: XLA keeps those in VMEM while they fit.
+
+  Args:
+    run: run(per_row, counts) -> (per_row_out, other) on one slab: leaves
+      [rows, ...] and int32 [rows]; `per_row_out` has a leading row axis of
+      `rows`, `other` is stacked over the slabs.
+    per_row: pytree of arrays [B, ...] that travel with their rows.
+    counts: int32 [B].
+    slabs, rows: the slabs and the rows of each (`slabs * rows >= B`).
+    must_be_finite: see `pad_rows`.
+
+  Returns:
+    (per_row_out cut to B rows, other with a leading axis of `slabs`).
+
+  Example:
+    >>> run = lambda rows, n: (rows * n, jnp.sum(n))
+    >>> in_slabs(run, jnp.array([1, 2, 3]), jnp.array([1, 3, 2]), slabs=2, rows=2,
+    ...          must_be_finite=False)
+    (Array([1, 6, 6], dtype=int32), Array([4, 2], dtype=int32))
+  """
+  batch = counts.shape[0]
+  padded = slabs * rows
+  per_row = pad_rows(per_row, padded, must_be_finite=must_be_finite)
+  counts = jnp.pad(counts, (0, padded - batch))  # padded rows never apply a step
+  stacked = tree_util.tree_map(lambda a: a.reshape((slabs, rows) + a.shape[1:]),
+                               (per_row, counts))
+  out, other = lax.map(lambda slab: run(*slab), stacked)
+  return tree_util.tree_map(lambda a: a.reshape((padded,) + a.shape[2:])[:batch], out), other
+
+
 def in_tiles(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
              counts: jax.Array, *, rows: int, sort: bool,
              must_be_finite: bool, invert_by_sort: bool = False) -> tuple[Any, Any]:

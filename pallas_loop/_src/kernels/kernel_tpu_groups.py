@@ -141,12 +141,14 @@ def _same_constants(a: step_fn_lib.SpecializedStep, b: step_fn_lib.SpecializedSt
 
 
 class GroupLayout:
-  """What a group kernel's plan derives from its `chunk_rows`, `group_rows`
-  and `rows` (the forward's `GroupPlan`, the backward's `GroupWindowPlan`)."""
+  """What a group kernel's plan derives from its `chunk_rows`, `group_rows`,
+  `rows` and `slab_rows` (the forward's `GroupPlan`, the backward's
+  `GroupWindowPlan`)."""
 
   chunk_rows: int
   group_rows: int
   rows: int
+  slab_rows: int
   traced: step_fn_lib.SpecializedStep
   pieces: tuple
 
@@ -167,6 +169,11 @@ class GroupLayout:
   @property
   def groups(self) -> int:
     return self.rows // self.group_rows
+
+  @property
+  def slabs(self) -> int:
+    """Slabs the rows run in when they are sorted (1: the batch is one)."""
+    return self.rows // self.slab_rows if self.slab_rows else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,11 +216,6 @@ class GroupPlan(GroupLayout):
   max_iters: int = 0
   pieces: tuple = ()
   slab_rows: int = 0
-
-  @property
-  def slabs(self) -> int:
-    """Slabs the rows run in when they are sorted (1: the batch is one)."""
-    return self.rows // self.slab_rows if self.slab_rows else 1
 
   def run(self, ops: LoopOperands, *, sort_rows: bool, in_order: bool = False,
           residual: bool = True, schedule: str | None = None) -> LoopOutputs:
@@ -285,7 +287,8 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
   fp = footprint_lib.measure(
       [(traced.jaxpr, n_params)], batch=batch, block_rows=chunk, shared_avals=shared_avals,
       row_block_avals=_row_blocks(h0, x, chunk, columns=4))
-  slab = slab_rows(batch, chunk, h0, x)
+  # The state in and out and the inputs travel through the permutation.
+  slab = slab_rows(batch, chunk, 2 * tree_util.tree_leaves(h0) + tree_util.tree_leaves(x))
   config, group, config_problems = _configure(backend, fp, slab, chunk, h0, x, shared_avals)
   config = backend_lib.for_call(config, h0, approx_tanh)
   if (config is None and (block_rows is None or halving) and not problems
@@ -310,22 +313,22 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
                                                                  chunk, traced))
 
 
-def slab_rows(batch: int, chunk: int, h0, x) -> int:
-  """The rows of a slab: the batch where its permuted rows (the state in and
-  out, the inputs) take at most `SLAB_BYTES`, else the most whole chunks
-  that do (at least `CHUNKS_PER_GROUP` of them, one group's).
+def slab_rows(batch: int, chunk: int, per_row: list) -> int:
+  """The rows of a slab: the batch where the rows' permuted arrays
+  (`per_row`: avals with a leading row axis) take at most `SLAB_BYTES`,
+  else the most whole chunks that do (at least `CHUNKS_PER_GROUP` of them,
+  one group's).
 
   Example:
     >>> h = jax.ShapeDtypeStruct((262144, 128), jnp.bfloat16)
     >>> x = jax.ShapeDtypeStruct((262144, 128), jnp.float32)
-    >>> slab_rows(262144, 2048, h, x), slab_rows(32768, 2048, h, x)
+    >>> slab_rows(262144, 2048, [h, h, x]), slab_rows(32768, 2048, [h, h, x])
     (32768, 32768)
   """
-  per_row = sum(math.prod(a.shape[1:]) * jnp.dtype(a.dtype).itemsize
-                for a in 2 * tree_util.tree_leaves(h0) + tree_util.tree_leaves(x))
-  if batch * per_row <= SLAB_BYTES:
+  size = sum(math.prod(a.shape[1:]) * jnp.dtype(a.dtype).itemsize for a in per_row)
+  if batch * size <= SLAB_BYTES:
     return batch
-  return max(CHUNKS_PER_GROUP * chunk, SLAB_BYTES // max(per_row, 1) // chunk * chunk)
+  return max(CHUNKS_PER_GROUP * chunk, SLAB_BYTES // max(size, 1) // chunk * chunk)
 
 
 def chunk_blocks(backend: backend_lib.Backend, batch: int, chunk: int,
@@ -719,22 +722,17 @@ def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True,
   assert not p.problems and p.config is not None, p.problems
   if in_order or p.slabs == 1:
     return _run_rows(p, ops, residual=residual, in_order=in_order)
-  batch, slabs = ops.counts.shape[0], p.slabs
   one = dataclasses.replace(p, rows=p.slab_rows)
-  # Padding rows copy a real row (finite) and run no step (count 0).
-  per_row = tiling.pad_rows((ops.h0, ops.x, ops.row_ids), p.rows, must_be_finite=False)
-  counts = jnp.pad(ops.counts, (0, p.rows - batch))
-  stacked = tree_util.tree_map(lambda a: a.reshape((slabs, p.slab_rows) + a.shape[1:]),
-                               (per_row, counts))
 
-  def on_slab(slab):
-    (h0, x, row_ids), n = slab
-    out = _run_rows(one, ops._replace(h0=h0, x=x, counts=n, row_ids=row_ids),
+  def on_slab(per_row, counts):
+    h0, x, row_ids = per_row
+    out = _run_rows(one, ops._replace(h0=h0, x=x, counts=counts, row_ids=row_ids),
                     residual=residual, in_order=False)
-    return out._replace(ys=None)
+    return out._replace(ys=None), None
 
-  out = lax.map(on_slab, stacked)
-  return tree_util.tree_map(lambda a: a.reshape((p.rows,) + a.shape[2:])[:batch], out)
+  out, _ = tiling.in_slabs(on_slab, (ops.h0, ops.x, ops.row_ids), ops.counts,
+                           slabs=p.slabs, rows=p.slab_rows, must_be_finite=False)
+  return out
 
 
 def _run_rows(p: GroupPlan, ops: LoopOperands, *, residual: bool,

@@ -88,6 +88,8 @@ class GroupWindowPlan(kernel_tpu_groups.GroupLayout):
     footprint: what one chunk's VJP holds.
     pieces: (rows, the step traced at them) for a window step's partial
       chunk (`kernel_tpu_groups.trace_pieces`).
+    slab_rows: the rows of one slab (`kernel_tpu_groups.SLAB_BYTES`), a
+      multiple of G dividing `rows`; `rows` when the batch is one slab.
   """
 
   backend: backend_lib.Backend
@@ -107,6 +109,7 @@ class GroupWindowPlan(kernel_tpu_groups.GroupLayout):
   footprint: footprint_lib.Footprint
   problems: tuple[str, ...] = ()
   pieces: tuple = ()
+  slab_rows: int = 0
 
   def run(self, ops: WindowOperands, *, sort_rows: bool, in_order: bool = False,
           schedule: str | None = None) -> Gradients:
@@ -206,7 +209,13 @@ def _plan_at(backend, step_fn, params, consts, h, x, chunk, *, bound, every,
       [(parts.jaxpr, len(parts.shared))], batch=batch, block_rows=chunk,
       shared_avals=shared_avals, row_block_avals=_row_blocks(h, x, chunk, columns))
   checkpoints = loop_reverse.checkpoint_slots(bound, every)
-  configured = _configure(backend, fp, batch, chunk, h, x, shared_avals, columns,
+  # Slabs as the forward's (the state twice and the inputs a row), so that a
+  # batch's forward and backward split alike: the batches the chip measured
+  # at full rate in one slab (B=32768 at D=128) stay one here too, although
+  # the backward moves more a row (the cotangent, the inputs' gradients).
+  hs, xs = tree_util.tree_leaves(h), tree_util.tree_leaves(x)
+  slab = kernel_tpu_groups.slab_rows(batch, chunk, 2 * hs + xs)
+  configured = _configure(backend, fp, slab, chunk, h, x, shared_avals, columns,
                           states=1 + checkpoints + every)
   if configured is None:
     return None
@@ -214,9 +223,11 @@ def _plan_at(backend, step_fn, params, consts, h, x, chunk, *, bound, every,
   config = backend_lib.for_call(config, h, approx_tanh)
   if config is None:
     return None
-  padded = tiling.padded_rows(tiling.padded_rows(batch, chunk), group)
+  slabs = max(1, -(-batch // max(slab, 1)))  # an empty batch: one slab of one chunk
+  slab = tiling.padded_rows(tiling.padded_rows(-(-batch // slabs), chunk), group)
   return GroupWindowPlan(
-      backend=backend, chunk_rows=chunk, group_rows=group, rows=padded, every=every,
+      backend=backend, chunk_rows=chunk, group_rows=group, rows=slabs * slab, slab_rows=slab,
+      every=every,
       checkpoints=checkpoints, bound=bound, traced=traced,
       shared_shapes=tuple(np.shape(a) for a in parts.shared),
       shared_float=parts.shared_float,
@@ -436,22 +447,10 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
   lax.fori_loop(0, n_seg, reverse_segment, 0)
 
 
-def run(p: GroupWindowPlan, ops: WindowOperands, *, in_order: bool = False) -> Gradients:
-  """Runs the group backward on the rows, sorted by descending window length.
-
-  Args:
-    p: from `plan`.
-    ops: the window (consts: the caller's; the kernel takes the traced
-      step's own constants from `p`).
-    in_order: the windows are in length order, known at trace time (one
-      length for every row): no row is sorted or moved.
-
-  Returns:
-    (g_params, g_consts, g_h_start, g_x), in the operands' dtypes (None for
-    integer leaves).
-  """
+def _on_groups(p: GroupWindowPlan, params, consts, ops: WindowOperands):
+  """on_groups(per_row, n) -> ((g_h, g_x), group sums): the kernel on
+  `p.rows` rows in window order (`tiling.in_tiles`' `run`)."""
   group, padded = p.group_rows, p.rows
-  params, consts = toolkit.shared_operands(ops.params, p.traced.const_values)
   shared = tree_util.tree_leaves(params) + consts
   h_leaves = tree_util.tree_leaves(ops.h_start)
   x_leaves = tree_util.tree_leaves(ops.x)
@@ -478,13 +477,42 @@ def run(p: GroupWindowPlan, ops: WindowOperands, *, in_order: bool = False) -> G
         out_kinds=_OUT_KINDS, scratch=scratch, counts=n, bound=p.bound, name=KERNEL_NAME)
     return (tree_util.tree_leaves(got.g_h), got.g_x), got.g_shared
 
+  return on_groups
+
+
+def run(p: GroupWindowPlan, ops: WindowOperands, *, in_order: bool = False) -> Gradients:
+  """Runs the group backward on the rows, sorted by descending window length.
+
+  Args:
+    p: from `plan`.
+    ops: the window (consts: the caller's; the kernel takes the traced
+      step's own constants from `p`).
+    in_order: the windows are in length order, known at trace time (one
+      length for every row): no row is sorted or moved.
+
+  Returns:
+    (g_params, g_consts, g_h_start, g_x), in the operands' dtypes (None for
+    integer leaves).
+  """
+  params, consts = toolkit.shared_operands(ops.params, p.traced.const_values)
   # Only what the kernel reads travels into window order: the first step
   # indices and the rows' indices only for a step that reads them.
   per_row = (ops.h_start, ops.x, ops.g, ops.t0 if p.reads_t else None,
              ops.row_ids if p.reads_rows else None)
-  (g_h, g_x), group_sums = tiling.in_tiles(
-      on_groups, per_row, ops.n, rows=padded, sort=not in_order, must_be_finite=True,
-      invert_by_sort=True)
+  if in_order or p.slabs == 1:
+    (g_h, g_x), group_sums = tiling.in_tiles(
+        _on_groups(p, params, consts, ops), per_row, ops.n, rows=p.rows, sort=not in_order,
+        must_be_finite=True, invert_by_sort=True)
+  else:
+    # A slab at a time (`kernel_tpu_groups.SLAB_BYTES`): each slab's rows
+    # sorted, run and put back on their own; its groups' sums stacked.
+    one = dataclasses.replace(p, rows=p.slab_rows)
+    on_slab = lambda slab_rows, n: tiling.in_tiles(
+        _on_groups(one, params, consts, ops), slab_rows, n, rows=one.rows, sort=True,
+        must_be_finite=True, invert_by_sort=True)
+    (g_h, g_x), group_sums = tiling.in_slabs(on_slab, per_row, ops.n, slabs=p.slabs,
+                                             rows=p.slab_rows, must_be_finite=True)
+    group_sums = [None if a is None else a.reshape((-1,) + a.shape[2:]) for a in group_sums]
   return kernel_backward.assemble(ops, group_sums, g_h, g_x, shared_shapes=p.shared_shapes,
                                   sources=p.traced.sources)
 

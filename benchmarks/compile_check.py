@@ -82,6 +82,9 @@ DTYPES = ("bfloat16", "float32")
 BATCH = 4096
 MAX_ITERS = 16
 DEQ_BATCH = 64  # the "deq" block's rows: one chunk, under a 1-D leaf's 128 lanes
+# Rows whose state and inputs take two of the TPU kernels' slabs at D=128
+# (`kernel_tpu_groups.SLAB_BYTES`): the slabs' loop around the kernels.
+SLAB_BATCH = 65536
 KERNELS = ("pallas_loop_iterate_fwd", "pallas_loop_iterate_bwd")
 # Multi-head attention over each row's tokens as libraries write it
 # (`benchmarks/attention.py`): block name -> style.
@@ -106,6 +109,7 @@ class Case:
   hoist: bool | None = None   # iterate's hoist= (None: its default)
   schedule: str | None = None  # iterate's schedule= (None: the backend's default)
   outputs: bool = False       # step_outputs=True: the step also returns a per-step y
+  batch: int = BATCH          # rows
 
   @property
   def label(self) -> str:
@@ -126,6 +130,8 @@ class Case:
       parts.append(f"schedule={self.schedule}")
     if self.outputs:
       parts.append("outputs")
+    if self.batch != BATCH:
+      parts.append(f"B={self.batch}")
     return " ".join(parts)
 
 
@@ -212,7 +218,19 @@ def matrix(full: bool, targets) -> list[Case]:
         # ACT: a matrix-vector halting head, the halted flags (a bool leaf).
         cases += [Case(target, "deq", 32, "float32", "full"),
                   Case(target, "act", 128, "float32", "full")]
+        if TARGETS[target][0] == "tpu" and _has_slabs():
+          # Two slabs: the forward's and the backward's kernels in a loop over them.
+          cases.append(Case(target, "tanh_rnn", 128, "bfloat16", "full", batch=SLAB_BATCH))
   return cases
+
+
+def _has_slabs() -> bool:
+  """Whether this checkout's TPU kernels run a large batch in slabs."""
+  try:
+    from pallas_loop._src.kernels import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
+  except ImportError:  # a checkout from before the group kernels
+    return False
+  return hasattr(kernel_tpu_groups, "SLAB_BYTES")
 
 
 def slow_to_compile(case: Case) -> bool:
@@ -306,11 +324,11 @@ def _function(case: Case, implementation: str | None = None):
   if case.block in ATTENTION:
     from benchmarks import attention  # pylint: disable=g-import-not-at-top
     step, params, h0, x, style_kw = attention.make(
-        ATTENTION[case.block], BATCH, case.d, jnp.dtype(case.dtype))
+        ATTENTION[case.block], case.batch, case.d, jnp.dtype(case.dtype))
     kw.update(style_kw)
   else:
-    step, params, h0, x = blocks.make(case.block, BATCH, case.d, jnp.dtype(case.dtype))
-  n = jnp.arange(BATCH, dtype=jnp.int32) % (MAX_ITERS + 1)
+    step, params, h0, x = blocks.make(case.block, case.batch, case.d, jnp.dtype(case.dtype))
+  n = jnp.arange(case.batch, dtype=jnp.int32) % (MAX_ITERS + 1)
   # How to run: one pallas_loop.Options (keywords of iterate in a checkout
   # from before it, which this script also measures).
   how: dict[str, Any] = dict(block_rows=case.block_rows, implementation=implementation)

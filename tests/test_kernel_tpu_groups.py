@@ -292,6 +292,12 @@ def test_one_count_moves_no_row(grad):
       np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
 
 
+def _kernel_rows(fn, *args) -> set[int]:
+  """The rows of every output of the Pallas kernels in fn's jaxpr."""
+  return {v.aval.shape[0] for e in backend_lib.iter_eqns(jax.make_jaxpr(fn)(*args).jaxpr)
+          if e.primitive.name == "pallas_call" for v in e.outvars}
+
+
 @pytest.fixture
 def small_slabs(monkeypatch):
   """Slabs of 64 rows (a tanh RNN at D=16 in float32: 192 bytes a row)."""
@@ -309,9 +315,13 @@ def test_slabs_sort_and_run_a_slab_at_a_time(small_slabs):
   want, ref_info = reference.iterate(step, params, h0, x, return_info=True, **kw)
   oracle.assert_trees_close(got, want)
   np.testing.assert_array_equal(info.steps, ref_info.steps)
-  assert "while" in _primitives(
-      lambda h: pallas_loop.iterate(step, params, h, x, **kw,
-                                    options=TPU_INTERPRET.replace(block_rows=16)), h0)
+  # The kernel runs on a slab's rows (inside the slabs' loop), not the batch's.
+  run = lambda h: pallas_loop.iterate(step, params, h, x, **kw,
+                                      options=TPU_INTERPRET.replace(block_rows=16))
+  assert _kernel_rows(run, h0) == {64}
+  assert _kernel_rows(lambda h: pallas_loop.iterate(
+      step, params, h, x, iters=5, max_iters=9,
+      options=TPU_INTERPRET.replace(block_rows=16)), h0) == {320}  # one count: one batch
 
 
 def test_slabs_with_halting_keys_and_the_gradient(small_slabs):
@@ -330,10 +340,16 @@ def test_slabs_with_halting_keys_and_the_gradient(small_slabs):
   assert plans[0].slabs > 1 and plans[0].uses_rows
   oracle.assert_trees_close(got, reference.iterate(step, params, h0, x, **kw))
 
+  # Counts as a [B] array with `tol`: the rows are sorted (one count would
+  # run as one batch) and their residual, steps and halted flags tracked.
   deq, p_deq, h_deq, x_deq = blocks.make("deq", 150, 16)
-  halting = dict(max_iters=30, tol=1e-3, min_iters=2)
+  halting = dict(iters=cases.counts("ragged", 150, max_iters=30, seed=11), max_iters=30,
+                 tol=1e-3, min_iters=2)
   (got, info), plans = _run(deq, p_deq, h_deq, x_deq, return_info=True, **halting)
   assert plans[0].slabs > 1
+  assert _kernel_rows(lambda h: pallas_loop.iterate(
+      deq, p_deq, h, x_deq, **halting, options=TPU_INTERPRET.replace(block_rows=16)),
+      h_deq) == {plans[0].slab_rows}
   want, ref_info = reference.iterate(deq, p_deq, h_deq, x_deq, return_info=True, **halting)
   oracle.assert_trees_close(got, want)
   np.testing.assert_array_equal(info.steps, ref_info.steps)

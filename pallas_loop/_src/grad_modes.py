@@ -275,14 +275,19 @@ class Implicit(GradMode):
     g_floats = loop_reverse.float_leaves(g)
     if not g_floats:
       return _no_gradients(ops, g)
+    # A row that took no step has no adjoint (`settle` zeroes its u): from a
+    # zero cotangent its u stays 0 and halts after one step, so every row can
+    # be given the one budget, which `iterate` knows at trace time: it then
+    # sorts and moves no row (a [B] array of budgets and zeros was sorted).
+    g_floats = [_zero_rows(steps > 0, a) for a in g_floats]
 
     def fmap(shared, h, per_row):  # each row at its last step's index and key
       x, t, r = per_row
       return ctx.fn.new_state_per_row(shared, h, x, t, r)
 
     def solve(step, shared, g0, per_row):  # plain iteration, as the forward halts
-      return ctx.iterate(step, shared, g0, per_row, iters=jnp.where(steps > 0, budget, 0),
-                         max_iters=budget, tol=tol), None
+      return ctx.iterate(step, shared, g0, per_row, iters=budget, max_iters=budget,
+                         tol=tol), None
 
     settle = lambda u, _: [_zero_rows(steps > 0, a) for a in u]
     (g_params, g_consts), (g_x, _, _), _ = implicit_adjoint.vjp(

@@ -16,8 +16,8 @@ import pytest
 # name); with the cache each compiles once: tests/test_forward.py,
 # test_gradients.py and test_grad_modes.py took 83 s against 148 s on 2 cores.
 # A caller's own JAX_COMPILATION_CACHE_DIR is kept as it is. A worker that
-# reads an entry another is still writing gets JAX's warning and compiles the
-# program itself (pyproject.toml's filterwarnings lets that warning pass).
+# finds an entry unreadable (another still writing it, a full disk) gets JAX's
+# warning and compiles the program itself (pyproject.toml lets it pass).
 _CACHE_VARIABLES = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 _made_cache = []

@@ -82,9 +82,9 @@ DTYPES = ("bfloat16", "float32")
 BATCH = 4096
 MAX_ITERS = 16
 DEQ_BATCH = 64  # the "deq" block's rows: one chunk, under a 1-D leaf's 128 lanes
-# Rows whose state and inputs take two of the TPU kernels' slabs at D=128
-# (`kernel_tpu_groups.SLAB_BYTES`): the slabs' loop around the kernels.
-SLAB_BATCH = 65536
+# Rows whose state and inputs the TPU kernels run in slabs at D=128
+# (`kernel_tpu_groups.slab_rows`: four): the slabs' loop around the kernels.
+SLAB_BATCH = 131072
 KERNELS = ("pallas_loop_iterate_fwd", "pallas_loop_iterate_bwd")
 # Multi-head attention over each row's tokens as libraries write it
 # (`benchmarks/attention.py`): block name -> style.
@@ -219,7 +219,7 @@ def matrix(full: bool, targets) -> list[Case]:
         cases += [Case(target, "deq", 32, "float32", "full"),
                   Case(target, "act", 128, "float32", "full")]
         if TARGETS[target][0] == "tpu" and _has_slabs():
-          # Two slabs: the forward's and the backward's kernels in a loop over them.
+          # Slabs: the forward's and the backward's kernels in a loop over them.
           cases.append(Case(target, "tanh_rnn", 128, "bfloat16", "full", batch=SLAB_BATCH))
   return cases
 

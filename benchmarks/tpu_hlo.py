@@ -2,9 +2,10 @@
 
     python -m benchmarks.tpu_hlo --batch 262144            # the forward
     python -m benchmarks.tpu_hlo --batch 262144 --grad     # jax.grad
+    python -m benchmarks.tpu_hlo --block gru --slab-bytes 0   # no slabs
 
-Compiles `jax.jit(iterate)` of the tanh RNN (D=128, bfloat16, counts uniform in
-[1, T]) for a TPU v5e with libtpu's compile-only topology
+Compiles `jax.jit(iterate)` of a block (`--block`, default the tanh RNN; D=128,
+bfloat16, counts uniform in [1, T]) for a TPU v5e with libtpu's compile-only topology
 (`deviceless.compiler`: no chip needed, `pip install libtpu`), and prints, for
 each sort, gather, fusion, slice, `while` and kernel of the optimized program
 (the entry computation and the bodies of its loops), its result's shape, where
@@ -95,17 +96,23 @@ def _memory(shape: str) -> str:
   return "VMEM" if "S(1)" in shape else "HBM"
 
 
-def compiled_text(batch: int, max_iters: int, grad: bool) -> str:
+def compiled_text(batch: int, max_iters: int, grad: bool, block: str = "tanh_rnn",
+                  slab_bytes: int | None = None) -> str:
   """The optimized HLO of `jit(iterate)` (or of its `jax.grad`) compiled for a
-  TPU v5e, deviceless."""
+  TPU v5e, deviceless; `slab_bytes` replaces `kernel_tpu_groups.SLAB_BYTES`
+  and `SLABS_FROM_BYTES` (0: every batch one slab)."""
   import pallas_loop  # pylint: disable=g-import-not-at-top
   from pallas_loop._src.kernels import deviceless  # pylint: disable=g-import-not-at-top
+  from pallas_loop._src.kernels import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
   from benchmarks import blocks  # pylint: disable=g-import-not-at-top
 
   mesh, why = deviceless.compiler(deviceless.TARGETS["tpu"])
   if mesh is None:
     raise SystemExit(f"tpu_hlo: cannot compile for a TPU here: {why}")
-  step, params, h0, x = blocks.make("tanh_rnn", batch, 128, jnp.bfloat16, jax.random.key(0))
+  if slab_bytes is not None:
+    kernel_tpu_groups.SLAB_BYTES = slab_bytes or 1 << 62
+    kernel_tpu_groups.SLABS_FROM_BYTES = slab_bytes or 1 << 62
+  step, params, h0, x = blocks.make(block, batch, 128, jnp.bfloat16, jax.random.key(0))
   counts = jnp.asarray(np.random.default_rng(0).integers(1, max_iters + 1, batch), jnp.int32)
   run = lambda p, h, x_, k: pallas_loop.iterate(step, p, h, x_, iters=k, max_iters=max_iters)
   fn = run
@@ -120,9 +127,14 @@ def main(argv=None) -> int:
   parser.add_argument("--batch", type=int, default=32768)
   parser.add_argument("--max-iters", type=int, default=64)
   parser.add_argument("--grad", action="store_true", help="jax.grad instead of the forward")
+  parser.add_argument("--block", default="tanh_rnn", help="a block of benchmarks.blocks")
+  parser.add_argument("--slab-bytes", type=int, default=None,
+                      help="slabs of this many bytes from this many (kernel_tpu_groups' "
+                           "SLAB_BYTES and SLABS_FROM_BYTES; 0: one slab)")
   args = parser.parse_args(argv)
-  rows = instructions(compiled_text(args.batch, args.max_iters, args.grad))
-  print(f"tanh RNN, B={args.batch}, D=128, bfloat16, T={args.max_iters}, "
+  rows = instructions(compiled_text(args.batch, args.max_iters, args.grad, args.block,
+                                    args.slab_bytes))
+  print(f"{args.block}, B={args.batch}, D=128, bfloat16, T={args.max_iters}, "
         f"{'jax.grad' if args.grad else 'forward'}, compiled for a TPU v5e (deviceless)")
   print(f"{'computation':<28} {'instruction':<40} {'op':<26} {'shape':<28} {'memory':<6} cycles")
   for r in rows:

@@ -26,7 +26,7 @@ for the tanh RNN (D=128, bfloat16) inside one `jit` as `gpu_check` does
                 comparing every count with every step; and the forward
                 (whole, sorted) with the table searched
                 (`kernel_tpu_groups.COMPARE_ALL_LIMIT` 0), and the batch as one
-                slab (`kernel_tpu_groups.SLAB_BYTES` out of reach: one
+                slab (`kernel_tpu_groups.SLABS_FROM_BYTES` out of reach: one
                 permutation of every row, however many bytes they take); the
                 inverse permutation by a scatter told its indices are unique, and
                 the forward with its rows put back by such a scatter (no inverse)
@@ -144,9 +144,9 @@ def main(argv=None) -> int:
         if args.parts:
           variants["grad whole, active rows searched"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
               kernel_tpu_groups, {"COMPARE_ALL_LIMIT": 0}, grad_array, h, r)
-          # A batch over `SLAB_BYTES` as one slab, forward and backward.
+          # A batch of slabs as one slab, forward and backward.
           variants["grad whole, one slab"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
-              kernel_tpu_groups, {"SLAB_BYTES": 1 << 62}, grad_array, h, r)
+              kernel_tpu_groups, {"SLABS_FROM_BYTES": 1 << 62}, grad_array, h, r)
         _time(variants, case, h0, inputs, useful, floor, args.repeats, write, args.only)
         continue
       variants = {
@@ -184,9 +184,9 @@ def main(argv=None) -> int:
                                                                          sorted_iters(r)))
       if args.parts:
         variants.update(_parts(batch, case.max_iters))
-        # A batch over `SLAB_BYTES` as one slab (before the slabs): one
-        # permutation of every row.
-        variants["whole, one slab"] = ({"SLAB_BYTES": 1 << 62}, False)
+        # A batch of slabs as one slab (before the slabs): one permutation
+        # of every row.
+        variants["whole, one slab"] = ({"SLABS_FROM_BYTES": 1 << 62}, False)
         # The rows put back by a scatter told its indices are unique, with no
         # inverse permutation (the library: a sort for the inverse, a gather).
         variants["whole, put back by unique scatter"] = (

@@ -302,6 +302,7 @@ def _kernel_rows(fn, *args) -> set[int]:
 def small_slabs(monkeypatch):
   """Slabs of 64 rows (a tanh RNN at D=16 in float32: 192 bytes a row)."""
   monkeypatch.setattr(kernel_tpu_groups, "SLAB_BYTES", 64 * 192)
+  monkeypatch.setattr(kernel_tpu_groups, "SLABS_FROM_BYTES", 64 * 192)
 
 
 def test_slabs_sort_and_run_a_slab_at_a_time(small_slabs):
@@ -370,6 +371,7 @@ def test_slab_rows():
   assert kernel_tpu_groups.slab_rows(300, 16, [h, h, h]) == 300  # 57,600 bytes: one slab
   with pytest.MonkeyPatch.context() as m:
     m.setattr(kernel_tpu_groups, "SLAB_BYTES", 64 * 192)
+    m.setattr(kernel_tpu_groups, "SLABS_FROM_BYTES", 64 * 192)
     assert kernel_tpu_groups.slab_rows(300, 16, [h, h, h]) == 64
     assert kernel_tpu_groups.slab_rows(300, 32, [h, h, h]) == 128  # one group of 4 chunks at least
     assert kernel_tpu_groups.slab_rows(300, 16, [h, h]) == 96  # 128 bytes a row

@@ -225,11 +225,12 @@ def test_partial_chunk_pieces(monkeypatch, block, dtype):
 
 @pytest.mark.parametrize("mode", ["full", pallas_loop.Truncated(2)])
 def test_slabs(monkeypatch, mode):
-  # A batch of several slabs (`kernel_tpu_groups.SLAB_BYTES` patched to about
+  # A batch of several slabs (`kernel_tpu_groups`' slab sizes patched to about
   # 64 rows): each slab's windows are sorted, run and put back on their own,
   # the shared gradients summed over every slab's groups; a keyed step reads
   # its rows' indices and first step indices through the slabs.
   monkeypatch.setattr(kernel_tpu_groups, "SLAB_BYTES", 64 * 192)
+  monkeypatch.setattr(kernel_tpu_groups, "SLABS_FROM_BYTES", 64 * 192)
   _, params, h0, x = blocks.make("tanh_rnn", 150, 16)
   n = cases.counts("ragged", 150, seed=10)
   kw = dict(iters=n, max_iters=cases.MAX_ITERS, key=jax.random.key(2))

@@ -92,13 +92,18 @@ COMPARE_ALL_LIMIT = 1 << 24
 # XLA runs the row permutation around the kernel (the sort, a gather a leaf
 # into count order and one back) and keeps its operands in VMEM while they
 # fit: compiled for a v5e, the tanh RNN's forward at B=32768, D=128 (the
-# state, the hoisted float32 `x U` and the result: 1 KiB a row, 32 MiB)
-# holds every one of them in VMEM, at B=262144 none, and its gathers then go
+# state in and out and the hoisted float32 `x U`: 1 KiB a row, 32 MiB) holds
+# every one of them in VMEM, at B=262144 none, and its gathers then go
 # through HBM (0.952 ns a useful row-step against 0.456 at B=32768 on the
-# chip; RESULTS.md, run Q). A batch whose permuted rows take more bytes than
-# this runs in slabs of about this size, one after another, each sorted, run
-# and put back on its own (`slab_rows`).
+# chip; RESULTS.md, run Q). A batch whose permuted rows take more than
+# `SLABS_FROM_BYTES` runs in slabs of about `SLAB_BYTES`, one after another,
+# each sorted, run and put back on its own (`slab_rows`): at B=262144, 0.535
+# ns (RESULTS.md, runs R and S). Below it a batch runs whole, as the chip
+# measured it: the GRU at B=32768 (64 MiB; its gathers' sources still in
+# VMEM, compiled deviceless) would only add the slabs' copies
+# (`python -m benchmarks.tpu_hlo --block gru`).
 SLAB_BYTES = 32 * 2**20
+SLABS_FROM_BYTES = 64 * 2**20
 
 
 def piece_rows(chunk: int) -> tuple[int, ...]:
@@ -198,7 +203,7 @@ class GroupPlan(GroupLayout):
       (`trace_pieces`).
     slab_rows: the rows of one slab (a multiple of G dividing `rows`): rows
       out of count order are sorted and run a slab at a time
-      (`SLAB_BYTES`); `rows` when the batch is one slab.
+      (`SLAB_BYTES`, `SLABS_FROM_BYTES`); `rows` when the batch is one slab.
   """
 
   backend: backend_lib.Backend
@@ -315,9 +320,9 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
 
 def slab_rows(batch: int, chunk: int, per_row: list) -> int:
   """The rows of a slab: the batch where the rows' permuted arrays
-  (`per_row`: avals with a leading row axis) take at most `SLAB_BYTES`,
-  else the most whole chunks that do (at least `CHUNKS_PER_GROUP` of them,
-  one group's).
+  (`per_row`: avals with a leading row axis) take at most
+  `SLABS_FROM_BYTES`, else the most whole chunks that take at most
+  `SLAB_BYTES` (at least `CHUNKS_PER_GROUP` of them, one group's).
 
   Example:
     >>> h = jax.ShapeDtypeStruct((262144, 128), jnp.bfloat16)
@@ -326,7 +331,7 @@ def slab_rows(batch: int, chunk: int, per_row: list) -> int:
     (32768, 32768)
   """
   size = sum(math.prod(a.shape[1:]) * jnp.dtype(a.dtype).itemsize for a in per_row)
-  if batch * size <= SLAB_BYTES:
+  if batch * size <= SLABS_FROM_BYTES:
     return batch
   return max(CHUNKS_PER_GROUP * chunk, SLAB_BYTES // max(size, 1) // chunk * chunk)
 
@@ -706,7 +711,7 @@ def run(p: GroupPlan, ops: LoopOperands, *, residual: bool = True,
         in_order: bool = False) -> LoopOutputs:
   """Runs the group kernel on the rows, sorted by descending count.
 
-  A batch of more than one slab (`SLAB_BYTES`) whose rows must be sorted
+  A batch of more than one slab (`slab_rows`) whose rows must be sorted
   runs a slab at a time (`lax.map`): each slab's rows are sorted, run and
   put back on their own, so that XLA keeps each permutation's operands in
   VMEM. Rows known in order move nowhere and run as one batch.

@@ -88,7 +88,7 @@ class GroupWindowPlan(kernel_tpu_groups.GroupLayout):
     footprint: what one chunk's VJP holds.
     pieces: (rows, the step traced at them) for a window step's partial
       chunk (`kernel_tpu_groups.trace_pieces`).
-    slab_rows: the rows of one slab (`kernel_tpu_groups.SLAB_BYTES`), a
+    slab_rows: the rows of one slab (`kernel_tpu_groups.slab_rows`), a
       multiple of G dividing `rows`; `rows` when the batch is one slab.
   """
 
@@ -504,7 +504,7 @@ def run(p: GroupWindowPlan, ops: WindowOperands, *, in_order: bool = False) -> G
         _on_groups(p, params, consts, ops), per_row, ops.n, rows=p.rows, sort=not in_order,
         must_be_finite=True, invert_by_sort=True)
   else:
-    # A slab at a time (`kernel_tpu_groups.SLAB_BYTES`): each slab's rows
+    # A slab at a time (`kernel_tpu_groups.slab_rows`): each slab's rows
     # sorted, run and put back on their own; its groups' sums stacked.
     one = dataclasses.replace(p, rows=p.slab_rows)
     on_slab = lambda slab_rows, n: tiling.in_tiles(

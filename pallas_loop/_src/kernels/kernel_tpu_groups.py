@@ -465,9 +465,12 @@ def active_rows(counts: jax.Array, groups: int, max_iters: int) -> jax.Array:
   grouped = counts.reshape(groups, -1)
   steps = jnp.arange(max_iters, dtype=counts.dtype)
   if counts.size * max_iters <= COMPARE_ALL_LIMIT:
-    # [groups, rows, T]: the rows on sublanes, the steps on lanes; the sum over
-    # rows adds vregs, not lanes.
-    return jnp.sum((grouped[:, :, None] > steps).astype(jnp.int32), axis=1)
+    # [groups, T, rows]: the rows on lanes, as the counts lie, the steps on
+    # sublanes. Compiled for a v5e (libtpu 0.0.42.1) the fusion's estimate is
+    # 42,208 cycles at B=32768, T=128 against 72,796 with the rows moved to
+    # sublanes ([groups, rows, T]), 6,496 against 12,540 at B=4096, the same
+    # at T=64 (XLA lays both out alike there); not timed.
+    return jnp.sum((grouped[:, None, :] > steps[None, :, None]).astype(jnp.int32), axis=2)
   # Descending counts: the rows with count > t are those before the first
   # row with count <= t.
   return jax.vmap(lambda c: jnp.searchsorted(-c, -steps, side="left"))(grouped).astype(
@@ -690,7 +693,8 @@ def launch(body, p: Any, *, ins, in_kinds, outs, out_kinds, scratch, counts: jax
   out_leaves, out_tree = tree_util.tree_flatten(outs)
   scratch_leaves, scratch_tree = tree_util.tree_flatten(scratch)
   active = active_rows(counts, p.groups, max(bound, 1))
-  trips = jnp.max(counts.reshape(p.groups, group), axis=1).astype(jnp.int32)
+  # Each group's longest count: its first (counts descending within a group).
+  trips = counts.reshape(p.groups, group)[:, 0].astype(jnp.int32)
   kernel = toolkit.unflattened(body, in_tree, out_tree, scratch_tree, leading=2)
   return tree_util.tree_unflatten(out_tree, pl.pallas_call(
       kernel,

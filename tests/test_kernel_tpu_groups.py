@@ -103,14 +103,17 @@ def test_custom_halt_with_counts():
   np.testing.assert_array_equal(info.halted, ref_info.halted)
 
 
+def _keyed_indexed_rnn(params, h, x, *, key, index):
+  """The tanh RNN reading its step index, with dropout from its rows' keys."""
+  w, u, b = params
+  new = jnp.tanh(h @ w + x @ u + b + 0.01 * index.astype(h.dtype))
+  return pallas_loop.random.dropout(key, new, 0.25)
+
+
 def test_keys_and_step_index():
   # The rows' indices travel into count order with the rows: a keyed step
   # draws the same bits as in the reference.
-  def step(params, h, x, *, key, index):
-    w, u, b = params
-    new = jnp.tanh(h @ w + x @ u + b + 0.01 * index.astype(h.dtype))
-    return pallas_loop.random.dropout(key, new, 0.25)
-
+  step = _keyed_indexed_rnn
   _, params, h0, x = blocks.make("tanh_rnn", 70, 16)
   n = cases.counts("ragged", 70, seed=5)
   kw = dict(iters=n, max_iters=cases.MAX_ITERS, key=jax.random.key(3), step_index=True)
@@ -329,11 +332,7 @@ def test_slabs_with_halting_keys_and_the_gradient(small_slabs):
   # What travels with a row through its slab: the rows' indices (a keyed
   # step draws the oracle's bits), the tracked columns (tol halting), and
   # the gradient through the forward's residuals.
-  def step(params, h, x, *, key, index):
-    w, u, b = params
-    new = jnp.tanh(h @ w + x @ u + b + 0.01 * index.astype(h.dtype))
-    return pallas_loop.random.dropout(key, new, 0.25)
-
+  step = _keyed_indexed_rnn
   _, params, h0, x = blocks.make("tanh_rnn", 200, 16)
   n = cases.counts("ragged", 200, seed=8)
   kw = dict(iters=n, max_iters=cases.MAX_ITERS, key=jax.random.key(3), step_index=True)

@@ -2,7 +2,7 @@
 
 The group kernel runs rows in count order; with ragged counts XLA sorts the
 rows into that order before the kernel and back after it. This script times,
-for the tanh RNN (D=128, bfloat16) inside one `jit` as `gpu_check` does
+for the tanh RNN (D=128, bfloat16; `--block` another) inside one `jit` as `gpu_check` does
 (`device_timing.chained_seconds`, the floor left out), per application:
 
   masked_scan   the baseline (every row pays every step)
@@ -65,10 +65,20 @@ from benchmarks import tpu_design
 _IN_TILES = None  # tiling.in_tiles, set by main (the package imported there)
 
 
+def _added(h, v):
+  """h (a pytree of [B, ...] leaves) with v (a scalar or [B]) added to every
+  leaf, so that v is computed."""
+  v = jnp.asarray(v)
+  return jax.tree.map(
+      lambda a: a + v.reshape(v.shape + (1,) * (a.ndim - v.ndim)).astype(a.dtype), h)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=None)
   parser.add_argument("--batches", default="32768,4096")
+  parser.add_argument("--block", default="tanh_rnn",
+                      help="a block of benchmarks.blocks (the tanh RNN by default)")
   parser.add_argument("--counts", default="uniform,recurrent_depth,constant")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--variants", action="store_true",
@@ -95,7 +105,7 @@ def main(argv=None) -> int:
 
   for batch in (int(b) for b in args.batches.split(",")):
     for dist in args.counts.split(","):
-      case = cases._case("tanh_rnn", batch, 128, dist, dtype="bfloat16")  # pylint: disable=protected-access
+      case = cases._case(args.block, batch, 128, dist, dtype="bfloat16")  # pylint: disable=protected-access
       step, params, h0, x = blocks.make(case.block, batch, 128, jnp.bfloat16, jax.random.key(0))
       counts = cases.count_distribution(dist, batch, case.max_iters, 0)
       order = np.argsort(-counts, kind="stable")
@@ -123,7 +133,7 @@ def main(argv=None) -> int:
                                must_be_finite=False, invert_by_sort=True)[0]
 
       if args.grad:
-        gcase = cases._case("tanh_rnn", batch, 128, dist, dtype="bfloat16", grad="full")  # pylint: disable=protected-access
+        gcase = cases._case(args.block, batch, 128, dist, dtype="bfloat16", grad="full")  # pylint: disable=protected-access
         grads = {n: harness._chained(gcase, harness._make_fn(gcase, n, step, {}), params)  # pylint: disable=protected-access
                  for n in ("masked_scan", "pallas")}
         variants = {
@@ -167,11 +177,11 @@ def main(argv=None) -> int:
 
         def sort_pairs(h, r):
           _, o = jax.lax.sort((-r["iters"], iota), num_keys=1)
-          return h + o[:, None].astype(h.dtype)
+          return _added(h, o)
 
         def sort_packed(h, r):
           key = jax.lax.sort(((case.max_iters - r["iters"]) << bits) | iota)
-          return h + (key & ((1 << bits) - 1))[:, None].astype(h.dtype)
+          return _added(h, key & ((1 << bits) - 1))
 
         variants["sort pairs"] = sort_pairs
         variants["sort packed"] = sort_packed
@@ -243,7 +253,7 @@ def _parts(batch: int, max_iters: int) -> dict:
   # Folded into h by a comparison XLA cannot decide (x * 0 it folds away, and
   # the piece with it), so each piece is computed; the counts are an
   # application's own (rolled), so no piece is computed once for the chain.
-  fold = lambda h, v: h + (jnp.sum(v) == jnp.iinfo(jnp.int32).min).astype(h.dtype)
+  fold = lambda h, v: _added(h, jnp.sum(v) == jnp.iinfo(jnp.int32).min)
   groups = max(1, batch // 8192)
 
   def sort(h, r):

@@ -69,18 +69,13 @@ DEFAULT_CASES = (
 def device_seconds(grad, args, *, repeats: int, floor: float) -> tuple[float, int]:
   """(seconds of one application of `grad` on the device, the chain): `grad`
   (params, h0, x) -> gradients w.r.t. all three, applied inside one `jit`
-  (`device_timing.chained_seconds`) with the state gradient folded into the
-  next application's `h0` multiplied by 0 (not simplified away for floats)
-  and one element of every other gradient added to it, so that the whole
-  gradient is computed each time."""
+  (`device_timing.chained_seconds`), each application's gradients folded
+  into the next one's `h0` (`device_timing.folded_gradient`)."""
   params, h0, x = args
 
   def apply(h, rows):
     g_params, g_h, g_x = grad(params, h, rows["x"])
-    touch = sum(jnp.ravel(a)[0].astype(jnp.float32)
-                for a in jax.tree.leaves((g_params, g_x)))
-    return jax.tree.map(lambda a, g: a + (0 * (g.astype(jnp.float32) + touch)).astype(a.dtype),
-                        h, g_h)
+    return device_timing.folded_gradient(h, g_h, (g_params, g_x))
 
   return device_timing.chained_seconds(apply, h0, {"x": x}, chain=device_timing.default_chain(),
                                        repeats=repeats, floor=floor)

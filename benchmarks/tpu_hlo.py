@@ -105,13 +105,13 @@ def compiled_text(batch: int, max_iters: int, grad: bool, block: str = "tanh_rnn
   from pallas_loop._src.kernels import deviceless  # pylint: disable=g-import-not-at-top
   from pallas_loop._src.kernels import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
   from benchmarks import blocks  # pylint: disable=g-import-not-at-top
+  from benchmarks import tpu_design  # pylint: disable=g-import-not-at-top
 
   mesh, why = deviceless.compiler(deviceless.TARGETS["tpu"])
   if mesh is None:
     raise SystemExit(f"tpu_hlo: cannot compile for a TPU here: {why}")
-  if slab_bytes is not None:
-    kernel_tpu_groups.SLAB_BYTES = slab_bytes or 1 << 62
-    kernel_tpu_groups.SLABS_FROM_BYTES = slab_bytes or 1 << 62
+  slabs = {} if slab_bytes is None else dict(SLAB_BYTES=slab_bytes or 1 << 62,
+                                             SLABS_FROM_BYTES=slab_bytes or 1 << 62)
   step, params, h0, x = blocks.make(block, batch, 128, jnp.bfloat16, jax.random.key(0))
   counts = jnp.asarray(np.random.default_rng(0).integers(1, max_iters + 1, batch), jnp.int32)
   run = lambda p, h, x_, k: pallas_loop.iterate(step, p, h, x_, iters=k, max_iters=max_iters)
@@ -119,7 +119,8 @@ def compiled_text(batch: int, max_iters: int, grad: bool, block: str = "tanh_rnn
   if grad:
     fn = jax.grad(lambda p, h, x_, k: jnp.sum(run(p, h, x_, k).astype(jnp.float32)),
                   argnums=(0, 1))
-  return deviceless.compile_for(fn, (params, h0, x, counts), mesh).as_text()
+  with tpu_design.patched(kernel_tpu_groups, **slabs):
+    return deviceless.compile_for(fn, (params, h0, x, counts), mesh).as_text()
 
 
 def main(argv=None) -> int:

@@ -62,9 +62,6 @@ from benchmarks import harness
 from benchmarks import tpu_design
 
 
-_IN_TILES = None  # tiling.in_tiles, set by main (the package imported there)
-
-
 def _added(h, v):
   """h (a pytree of [B, ...] leaves) with v (a scalar or [B]) added to every
   leaf, so that v is computed."""
@@ -99,8 +96,6 @@ def main(argv=None) -> int:
   import pallas_loop  # pylint: disable=g-import-not-at-top
   from pallas_loop._src import tiling  # pylint: disable=g-import-not-at-top
   from pallas_loop._src import validation  # pylint: disable=g-import-not-at-top
-  global _IN_TILES
-  _IN_TILES = tiling.in_tiles
   from pallas_loop._src.kernels import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
 
   for batch in (int(b) for b in args.batches.split(",")):
@@ -232,14 +227,14 @@ def _in_tiles_scattered_back(run, per_row, counts, *, rows, sort, must_be_finite
   permutation (which costs a second sort): a `--parts` variant."""
   from pallas_loop._src import tiling  # pylint: disable=g-import-not-at-top
   del invert_by_sort
-  if not sort:
-    return _IN_TILES(run, per_row, counts, rows=rows, sort=False,
-                     must_be_finite=must_be_finite)
   batch = counts.shape[0]
-  counts, order = tiling.sorted_descending(counts)
-  per_row = tiling.pad_rows(tiling.take_rows(per_row, order), rows,
-                            must_be_finite=must_be_finite)
+  if sort:
+    counts, order = tiling.sorted_descending(counts)
+    per_row = tiling.take_rows(per_row, order)
+  per_row = tiling.pad_rows(per_row, rows, must_be_finite=must_be_finite)
   out, other = run(per_row, jnp.pad(counts, (0, rows - batch)))
+  if not sort:
+    return jax.tree.map(lambda a: a[:batch], out), other
   put = lambda a: jnp.zeros((batch,) + a.shape[1:], a.dtype).at[order].set(
       a[:batch], unique_indices=True)
   return jax.tree.map(put, out), other

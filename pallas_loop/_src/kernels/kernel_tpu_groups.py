@@ -304,9 +304,7 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
     return plan(backend, step_fn, params, consts, h0, x, chunk // 2, outputs,
                 sort_rows=sort_rows, max_iters=max_iters, halving=True,
                 approx_tanh=approx_tanh)
-  slabs = max(1, -(-batch // max(slab, 1)))  # an empty batch: one slab of one chunk
-  slab = tiling.padded_rows(tiling.padded_rows(-(-batch // slabs), chunk), group)
-  padded = slabs * slab
+  padded, slab = slab_layout(batch, chunk, group, slab)
   return GroupPlan(
       backend=backend, chunk_rows=chunk, group_rows=group, rows=padded, slab_rows=slab,
       traced=traced,
@@ -334,6 +332,20 @@ def slab_rows(batch: int, chunk: int, per_row: list) -> int:
   if batch * size <= SLABS_FROM_BYTES:
     return batch
   return max(CHUNKS_PER_GROUP * chunk, SLAB_BYTES // max(size, 1) // chunk * chunk)
+
+
+def slab_layout(batch: int, chunk: int, group: int, slab: int) -> tuple[int, int]:
+  """(rows, slab_rows) of a group kernel's plan: the batch in as few slabs of
+  at most about `slab` rows (`slab_rows`) as it takes, each as even as whole
+  groups of G = `group` rows allow, and padded to them.
+
+  Example:
+    >>> slab_layout(262144, 2048, 8192, 32768), slab_layout(100, 16, 64, 100)
+    ((262144, 32768), (128, 128))
+  """
+  slabs = max(1, -(-batch // max(slab, 1)))  # an empty batch: one slab of one chunk
+  rows = tiling.padded_rows(tiling.padded_rows(-(-batch // slabs), chunk), group)
+  return slabs * rows, rows
 
 
 def chunk_blocks(backend: backend_lib.Backend, batch: int, chunk: int,

@@ -223,10 +223,9 @@ def _plan_at(backend, step_fn, params, consts, h, x, chunk, *, bound, every,
   config = backend_lib.for_call(config, h, approx_tanh)
   if config is None:
     return None
-  slabs = max(1, -(-batch // max(slab, 1)))  # an empty batch: one slab of one chunk
-  slab = tiling.padded_rows(tiling.padded_rows(-(-batch // slabs), chunk), group)
+  padded, slab = kernel_tpu_groups.slab_layout(batch, chunk, group, slab)
   return GroupWindowPlan(
-      backend=backend, chunk_rows=chunk, group_rows=group, rows=slabs * slab, slab_rows=slab,
+      backend=backend, chunk_rows=chunk, group_rows=group, rows=padded, slab_rows=slab,
       every=every,
       checkpoints=checkpoints, bound=bound, traced=traced,
       shared_shapes=tuple(np.shape(a) for a in parts.shared),

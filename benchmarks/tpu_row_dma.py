@@ -1,4 +1,4 @@
-"""Can a TPU kernel move rows into count order itself? Per-row DMAs against XLA's gather.
+"""Can a TPU kernel move rows into count order itself? Per-row DMAs and vector loads against XLA's gather.
 
 The group kernel's rows travel into count order by an XLA gather before it
 and back by another after it (about 0.09 ms each at B=32768, D=128 on a v5e,
@@ -9,6 +9,9 @@ gather), or writing row r of its block to row `order[r]` in HBM (a scatter).
 Whether that pays depends on how fast the core issues the DMAs: this script
 measures it, beside XLA's gather of the same array, each chained inside one
 `jit` (`device_timing.chained_seconds`), the jitted call's floor left out.
+A kernel whose rows are already in VMEM can also move them with vector
+loads and stores, one sublane a row, addressed by a scalar from SMEM (no DMA
+issued): the `vld_*` variants measure that.
 
     python -m benchmarks.tpu_row_dma [--out rows.jsonl] [--batch 32768]
 
@@ -20,6 +23,11 @@ Variants (each row a JSON line: what, variant, dtype, group, ms, ns_per_row):
   dma_gather/wait=all one DMA a row HBM -> VMEM block, one wait for the block
   dma_gather/wait=row the same, one wait a row
   dma_scatter         one DMA a row VMEM block -> HBM (output in HBM), one wait
+  vld_gather/rows     the whole [B, D] array in VMEM; out[r] = x[order[r]] by a
+                      one-row load and a one-row store a row
+  vld_gather/tile     the same, eight loaded rows joined into one (8, D) store
+  vld_scatter         out[order[r]] = x[r], the output whole in VMEM, a
+                      one-row load and a one-row store a row
 Rows are float32 [B, 128] (512 B), uint32 [B, 64] (a bfloat16 row's pairs as
 words) and bfloat16 [B, 128] (two rows to a sublane: may not lower).
 """
@@ -110,6 +118,81 @@ def dma_scatter(x: jax.Array, order: jax.Array, *, group: int, unroll: int = 8) 
   )(order, x)
 
 
+def _whole(batch: int, width: int) -> pl.BlockSpec:
+  # The whole [B, D] array, one block every program sees (VMEM-resident).
+  return pl.BlockSpec((batch, width), lambda g: (0, 0))
+
+
+def _vmem_params(x: jax.Array, group: int) -> pltpu.CompilerParams:
+  # The whole array double-buffered, the row blocks double-buffered, headroom.
+  whole = x.size * x.dtype.itemsize
+  need = 2 * whole + 4 * group * x.shape[1] * x.dtype.itemsize + (8 << 20)
+  return pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                              vmem_limit_bytes=min(need, 120 << 20))
+
+
+def vld_gather(x: jax.Array, order: jax.Array, *, group: int, tile: bool,
+               unroll: int = 8) -> jax.Array:
+  """out[r] = x[order[r]] by vector loads from the whole array in VMEM.
+
+  Args:
+    x: [B, D] (read whole into VMEM by the pipeline once).
+    order: int32 [B], a permutation of range(B).
+    group: rows a program writes (B a multiple of it, and of 8).
+    tile: join eight loaded rows into one (8, D) store (else a one-row
+      store a row).
+    unroll: the loop's unroll (in groups of eight rows).
+  """
+  batch, width = x.shape
+
+  def kernel(order_ref, x_ref, out_ref):
+    # order_ref: SMEM int32 [G]; x_ref: VMEM [B, D] (whole); out_ref: VMEM [G, D]
+    def eight(i, carry):
+      base = pl.multiple_of(i * 8, 8)
+      rows = [x_ref[pl.ds(order_ref[base + u], 1), :] for u in range(8)]
+      if tile:
+        out_ref[pl.ds(base, 8), :] = jnp.concatenate(rows, axis=0)
+      else:
+        for u, row in enumerate(rows):
+          out_ref[pl.ds(base + u, 1), :] = row
+      return carry
+
+    lax.fori_loop(0, group // 8, eight, 0, unroll=unroll)
+
+  return pl.pallas_call(
+      kernel, grid=(batch // group,),
+      in_specs=[_order_spec(group), _whole(batch, width)],
+      out_specs=pl.BlockSpec((group, width), lambda g: (g, 0)),
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      compiler_params=_vmem_params(x, group),
+  )(order, x)
+
+
+def vld_scatter(x: jax.Array, order: jax.Array, *, group: int, unroll: int = 8) -> jax.Array:
+  """out[order[r]] = x[r] by vector stores into the whole output in VMEM
+  (written back to HBM once, after the last program)."""
+  batch, width = x.shape
+
+  def kernel(order_ref, x_ref, out_ref):
+    # order_ref: SMEM int32 [G]; x_ref: VMEM [G, D]; out_ref: VMEM [B, D] (whole)
+    def eight(i, carry):
+      base = pl.multiple_of(i * 8, 8)
+      block = x_ref[pl.ds(base, 8), :]
+      for u in range(8):
+        out_ref[pl.ds(order_ref[base + u], 1), :] = block[u:u + 1]
+      return carry
+
+    lax.fori_loop(0, group // 8, eight, 0, unroll=unroll)
+
+  return pl.pallas_call(
+      kernel, grid=(batch // group,),
+      in_specs=[_order_spec(group), pl.BlockSpec((group, width), lambda g: (g, 0))],
+      out_specs=_whole(batch, width),
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      compiler_params=_vmem_params(x, group),
+  )(order, x)
+
+
 def block_copy(x: jax.Array, *, group: int) -> jax.Array:
   """out = x through a row-blocked kernel (the pipeline's own DMAs only)."""
   batch, width = x.shape
@@ -132,6 +215,9 @@ def main(argv=None) -> int:
   parser.add_argument("--groups", default="2048,8192")
   parser.add_argument("--chain", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--only", action="append", default=[], metavar="PREFIX",
+                      help="the variants whose name starts with PREFIX (repeatable)")
+  parser.add_argument("--dtypes", default="float32,uint32,bfloat16")
   parser.add_argument("--check-only", action="store_true",
                       help="check each variant's result once, time nothing")
   args = parser.parse_args(argv)
@@ -154,15 +240,23 @@ def main(argv=None) -> int:
   variants["dma_gather/wait=all"] = lambda h, o, g: dma_gather(h, o, group=g, wait="all")
   variants["dma_gather/wait=row"] = lambda h, o, g: dma_gather(h, o, group=g, wait="row")
   variants["dma_scatter"] = lambda h, o, g: dma_scatter(h, o, group=g)
+  variants["vld_gather/rows"] = lambda h, o, g: vld_gather(h, o, group=g, tile=False)
+  variants["vld_gather/tile"] = lambda h, o, g: vld_gather(h, o, group=g, tile=True)
+  variants["vld_scatter"] = lambda h, o, g: vld_scatter(h, o, group=g)
+  if args.only:
+    variants = {k: v for k, v in variants.items() if k.startswith(tuple(args.only))}
   expected = {"xla_gather": "gather", "dma_gather/wait=all": "gather",
               "dma_gather/wait=row": "gather", "xla_scatter": "scatter",
-              "dma_scatter": "scatter", "block_copy": "copy"}
+              "dma_scatter": "scatter", "block_copy": "copy",
+              "vld_gather/rows": "gather", "vld_gather/tile": "gather", "vld_scatter": "scatter"}
   for dtype, x in arrays.items():
+    if dtype not in args.dtypes.split(","):
+      continue
     floor = device_timing.floor_seconds(x, args.repeats)
     want = {"gather": np.asarray(jnp.take(x, order, axis=0)),
             "scatter": np.asarray(jnp.take(x, inverse, axis=0)), "copy": np.asarray(x)}
     for name, fn in variants.items():
-      for g in (groups if name.startswith(("dma", "block")) else [0]):
+      for g in (groups if name.startswith(("dma", "block", "vld")) else [0]):
         rec = {"what": "row_dma", "variant": name, "dtype": dtype, "batch": batch, "group": g}
         try:
           t0 = time.perf_counter()

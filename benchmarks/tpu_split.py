@@ -13,7 +13,11 @@ for the tanh RNN (D=128, bfloat16; `--block` another) inside one `jit` as `gpu_c
                 sorted or moved, so this is the loop and the kernel's own
                 reads and writes
   permutation   the permutation alone: `tiling.in_tiles` with the group
-                kernel's flags around a loop that does nothing
+                kernel's flags and row moves around a loop that does nothing
+  whole, XLA's row gathers  the forward with its rows moved by XLA's
+                gathers and put back by the inverse permutation's
+                (`kernel_tpu_rows.KERNELS` False: before those kernels;
+                `grad whole, XLA's row gathers` with `--grad`)
   sorted G=.., C=..  the sorted forward with the group kernel's groups per
                 batch (`GROUPS`) or chunk (`LARGEST_CHUNK`) changed
   whole/sorted C=..  (`--chunks`) the forward at other chunk heights
@@ -97,6 +101,7 @@ def main(argv=None) -> int:
   from pallas_loop._src import tiling  # pylint: disable=g-import-not-at-top
   from pallas_loop._src import validation  # pylint: disable=g-import-not-at-top
   from pallas_loop._src.kernels import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
+  from pallas_loop._src.kernels import kernel_tpu_rows  # pylint: disable=g-import-not-at-top
 
   for batch in (int(b) for b in args.batches.split(",")):
     for dist in args.counts.split(","):
@@ -125,7 +130,8 @@ def main(argv=None) -> int:
       def permutation(h, r):  # as the group forward moves its rows (`kernel_tpu_groups.run`)
         run = lambda per_row, c: (per_row[0], None)
         return tiling.in_tiles(run, (h, r["x"], None), r["iters"], rows=batch, sort=True,
-                               must_be_finite=False, invert_by_sort=True)[0]
+                               must_be_finite=False, invert_by_sort=True,
+                               moves=kernel_tpu_rows.moves(False))[0]
 
       if args.grad:
         gcase = cases._case(args.block, batch, 128, dist, dtype="bfloat16", grad="full")  # pylint: disable=protected-access
@@ -136,8 +142,11 @@ def main(argv=None) -> int:
             "grad whole": grads["pallas"],
             "grad sorted": in_order(lambda h, r: grads["pallas"](h, dict(r, iters=sorted_iters(r)))),
         }
+        # The rows moved by XLA's gathers (before `kernel_tpu_rows`).
+        variants["grad whole, XLA's row gathers"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
+            kernel_tpu_rows, {"KERNELS": False}, grads["pallas"], h, r)
         if dist == "constant":  # `grad whole` is given iters=T: nothing to sort
-          del variants["grad sorted"]
+          del variants["grad sorted"], variants["grad whole, XLA's row gathers"]
         if args.pieces:
           variants["grad whole no pieces"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
               kernel_tpu_groups, {"SMALLEST_PIECE": 1 << 30}, grads["pallas"], h, r)
@@ -163,6 +172,10 @@ def main(argv=None) -> int:
           "whole": lambda h, r: pallas(params, h, r["x"], r["iters"]),
           "sorted": in_order(lambda h, r: pallas(params, h, r["x"], sorted_iters(r))),
           "permutation": permutation,
+          # The rows moved by XLA's gathers, put back by the inverse
+          # permutation's (before `kernel_tpu_rows`).
+          "whole, XLA's row gathers": lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
+              kernel_tpu_rows, {"KERNELS": False}, pallas, params, h, r["x"], r["iters"]),
       }
       if args.variants and dist == "uniform":
         # The sort that orders the rows: JAX's two-operand sort (the library's

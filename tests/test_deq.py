@@ -683,7 +683,10 @@ def test_pallas_matches_xla_forward_and_gradient():
   g_p, (h_p, info_p) = run("pallas")
   g_x, (h_x, info_x) = run("xla")
   np.testing.assert_array_equal(info_p.steps, info_x.steps)
-  np.testing.assert_allclose(h_p, h_x, atol=1e-6)
+  # The same steps; the points differ by the rounding Anderson's per-row
+  # solves amplify (1.4e-6 on an AMD EPYC host, JAX 0.11.2): within the
+  # solver's tolerance.
+  np.testing.assert_allclose(h_p, h_x, atol=1e-5)
   # Anderson's small per-row linear solves amplify the float32 rounding
   # differences of the kernel's and XLA's operation order (9e-5 relative
   # seen on JAX 0.12), forward and adjoint.

@@ -17,7 +17,7 @@ cannot turn a parameter gradient into NaN (0 * NaN = NaN).
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import jax
 from jax import lax
@@ -178,9 +178,23 @@ def in_slabs(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
   return tree_util.tree_map(lambda a: a.reshape((padded,) + a.shape[2:])[:batch], out), other
 
 
+class RowMoves(NamedTuple):
+  """How a backend moves rows into count order and back (`in_tiles`), where
+  it has something faster than XLA's gathers (`kernel_tpu_rows.moves`).
+
+  Attributes:
+    gather: gather(tree, order) -> every leaf's rows `order` (`take_rows`).
+    put_back: put_back(tree, order) -> every leaf's row r at row `order[r]`.
+  """
+
+  gather: Callable[[Any, jax.Array], Any]
+  put_back: Callable[[Any, jax.Array], Any]
+
+
 def in_tiles(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
              counts: jax.Array, *, rows: int, sort: bool,
-             must_be_finite: bool, invert_by_sort: bool = False) -> tuple[Any, Any]:
+             must_be_finite: bool, invert_by_sort: bool = False,
+             moves: RowMoves | None = None) -> tuple[Any, Any]:
   """Runs `run` on the rows ordered by count and padded to `rows` rows.
 
   Args:
@@ -194,6 +208,8 @@ def in_tiles(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
     sort: order rows by descending count first.
     must_be_finite: see `pad_rows`.
     invert_by_sort: `inverse_permutation(by_sort=True)`.
+    moves: how the rows move (None: `take_rows` into order, and back by
+      the inverse permutation).
 
   Returns:
     (per_row_out cut to B rows in the caller's order, other).
@@ -208,11 +224,12 @@ def in_tiles(run: Callable[[Any, jax.Array], tuple[Any, Any]], per_row: Any,
   if sort:
     # One sort yields the order and the sorted counts (no gather of the counts).
     counts, order = sorted_descending(counts)
-    per_row = take_rows(per_row, order)
+    per_row = moves.gather(per_row, order) if moves else take_rows(per_row, order)
   per_row = pad_rows(per_row, rows, must_be_finite=must_be_finite)
   counts = jnp.pad(counts, (0, rows - batch))  # padded rows never apply a step
   out, other = run(per_row, counts)
   out = tree_util.tree_map(lambda a: a[:batch], out)
   if sort:
-    out = take_rows(out, inverse_permutation(order, by_sort=invert_by_sort))
+    out = (moves.put_back(out, order) if moves
+           else take_rows(out, inverse_permutation(order, by_sort=invert_by_sort)))
   return out, other

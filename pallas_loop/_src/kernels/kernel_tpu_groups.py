@@ -57,6 +57,7 @@ from pallas_loop._src.kernels import backend_mosaic_tpu
 from pallas_loop._src.step import footprint as footprint_lib
 from pallas_loop._src.kernels import kernel_forward
 from pallas_loop._src.kernels import kernel_toolkit as toolkit
+from pallas_loop._src.kernels import kernel_tpu_rows
 from pallas_loop._src import loop as loop_lib
 from pallas_loop._src.kernels import schedule as schedule_lib
 from pallas_loop._src.step import step_fn as step_fn_lib
@@ -89,9 +90,9 @@ SMALLEST_PIECE = 256
 # The active-rows table (`active_rows`) compares every count with every step
 # up to this many comparisons (B=32768 at T=512), else searches.
 COMPARE_ALL_LIMIT = 1 << 24
-# XLA runs the row permutation around the kernel (the sort, a gather a leaf
-# into count order and one back) and keeps its operands in VMEM while they
-# fit: compiled for a v5e, the tanh RNN's forward at B=32768, D=128 (the
+# XLA runs the row permutation around the kernel (the sort, and XLA's
+# gathers where the row kernels, `kernel_tpu_rows`, do not move a leaf) and
+# keeps its operands in VMEM while they fit: compiled for a v5e, the tanh RNN's forward at B=32768, D=128 (the
 # state in and out and the hoisted float32 `x U`: 1 KiB a row, 32 MiB) holds
 # every one of them in VMEM, at B=262144 none, and its gathers then go
 # through HBM (0.952 ns a useful row-step against 0.456 at B=32768 on the
@@ -787,9 +788,11 @@ def _run_rows(p: GroupPlan, ops: LoopOperands, *, residual: bool,
   # Only what the kernel reads travels into count order (the rows' indices
   # only for a keyed step), and only what it computes travels back: without
   # tracking, each row applied its count, none halted, no residual is asked
-  # for, and those are known in the caller's order. Each leaf travels in its
-  # own gather (`tiling.take_rows` says why not one packed gather). Rows
-  # are moved whenever the counts are not known in order at trace time
+  # for, and those are known in the caller's order. Each leaf travels on its
+  # own, by the TPU's row kernels where they take it (`kernel_tpu_rows`:
+  # vector loads in VMEM, put back by the order itself, no inverse sorted),
+  # else by XLA's gather (`tiling.take_rows` says why not one packed
+  # gather). Rows are moved whenever the counts are not known in order at trace time
   # (`in_order`): a device branch that skipped the gathers for counts found
   # in order cost more than it saved, because XLA copies a branch's gathered
   # operands into VMEM synchronously (on a TPU v5e, B=32768: +0.33 ms on the
@@ -798,7 +801,8 @@ def _run_rows(p: GroupPlan, ops: LoopOperands, *, residual: bool,
   index = ops.row_ids if p.uses_rows else None
   (h, tracked), _ = tiling.in_tiles(
       on_groups, (ops.h0, ops.x, index), ops.counts, rows=padded, sort=not in_order,
-      must_be_finite=False, invert_by_sort=True)
+      must_be_finite=False, invert_by_sort=True,
+      moves=kernel_tpu_rows.moves(p.backend.interpret))
   if track:
     residual_out, steps, halted = tracked
     return LoopOutputs(h, residual_out, steps, halted > 0, None)

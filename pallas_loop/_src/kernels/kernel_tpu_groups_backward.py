@@ -56,6 +56,7 @@ from pallas_loop._src.kernels import backend_mosaic_tpu
 from pallas_loop._src.kernels import kernel_backward
 from pallas_loop._src.kernels import kernel_toolkit as toolkit
 from pallas_loop._src.kernels import kernel_tpu_groups
+from pallas_loop._src.kernels import kernel_tpu_rows
 from pallas_loop._src.kernels import schedule as schedule_lib
 from pallas_loop._src.step import footprint as footprint_lib
 from pallas_loop._src.step import step_fn as step_fn_lib
@@ -501,14 +502,16 @@ def run(p: GroupWindowPlan, ops: WindowOperands, *, in_order: bool = False) -> G
   if in_order or p.slabs == 1:
     (g_h, g_x), group_sums = tiling.in_tiles(
         _on_groups(p, params, consts, ops), per_row, ops.n, rows=p.rows, sort=not in_order,
-        must_be_finite=True, invert_by_sort=True)
+        must_be_finite=True, invert_by_sort=True,
+        moves=kernel_tpu_rows.moves(p.backend.interpret))
   else:
     # A slab at a time (`kernel_tpu_groups.slab_rows`): each slab's rows
     # sorted, run and put back on their own; its groups' sums stacked.
     one = dataclasses.replace(p, rows=p.slab_rows)
     on_slab = lambda slab_rows, n: tiling.in_tiles(
         _on_groups(one, params, consts, ops), slab_rows, n, rows=one.rows, sort=True,
-        must_be_finite=True, invert_by_sort=True)
+        must_be_finite=True, invert_by_sort=True,
+        moves=kernel_tpu_rows.moves(p.backend.interpret))
     (g_h, g_x), group_sums = tiling.in_slabs(on_slab, per_row, ops.n, slabs=p.slabs,
                                              rows=p.slab_rows, must_be_finite=True)
     group_sums = [None if a is None else a.reshape((-1,) + a.shape[2:]) for a in group_sums]

@@ -185,7 +185,7 @@ def _convert(src_ref, dst_ref, rows: int) -> None:
   """dst = src converted to dst's dtype, `_PIECE` rows at a time (a value of
   the whole array would be unrolled into one op per vector register)."""
   piece = _PIECE
-  while rows % piece:  # rows: a multiple of 16
+  while rows % piece:  # rows: a multiple of 128 (`movable`)
     piece //= 2
 
   def each(p, carry):
@@ -196,23 +196,45 @@ def _convert(src_ref, dst_ref, rows: int) -> None:
   lax.fori_loop(0, rows // piece, each, 0)
 
 
-def _unfused(out: jax.Array) -> jax.Array:
-  """The kernel's result behind an optimization barrier: XLA would otherwise
+def _launch(kernel, a: jax.Array, order: jax.Array, interpret: Any, *, gather: bool,
+            name: str) -> jax.Array:
+  """The `pallas_call` of a row kernel: a grid over groups of G rows, each
+  program given its slice of the order in SMEM; the whole array on one side
+  (a gather's input, a scatter's output) and the group's rows on the other;
+  a 16-bit array's float32 scratch.
+
+  The result comes back behind an optimization barrier: XLA would otherwise
   fuse a consumer that writes it into a larger buffer (a `lax.map`'s or a
   scan's stacked output, as the slabs' loop has) into the kernel, compiled
   under the default scoped VMEM limit (16 MiB) instead of the kernel's own:
   "Ran out of memory in memory space vmem" for a [32768, 128] bfloat16
   scatter in the slabs of B=262144 (libtpu 0.0.42.1, deviceless)."""
+  batch, width = a.shape
+  group = _group_rows(batch)
+  whole, rows = _whole(batch, width), _rows(group, width)
+  out = pl.pallas_call(
+      kernel, grid=(batch // group,),
+      in_specs=[_order_block(group), whole if gather else rows],
+      out_specs=rows if gather else whole,
+      out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
+      scratch_shapes=[pltpu.VMEM((batch, width), jnp.float32)] if _wide(a.dtype) else [],
+      compiler_params=_params(a, group),
+      interpret=interpret,
+      name=name,
+  )(order, a)
   return lax.optimization_barrier(out)
+
+
+def _tile(dtype) -> int:
+  """Rows moved a loop trip, joined into one load or store: a 32-bit sublane
+  tile holds 8 rows, a packed 16-bit one 16."""
+  return 16 if _wide(dtype) else 8
 
 
 def _gather(a: jax.Array, order: jax.Array, interpret: Any) -> jax.Array:
   """out[r] = a[order[r]] for a `movable` array."""
-  batch, width = a.shape
-  group = _group_rows(batch)
-  wide = _wide(a.dtype)
-  # Rows joined into one store: a 32-bit sublane tile holds 8, a packed 16-bit one 16.
-  tile = 16 if wide else 8
+  batch = a.shape[0]
+  group, tile, wide = _group_rows(batch), _tile(a.dtype), _wide(a.dtype)
 
   def kernel(order_ref, a_ref, out_ref, *scratch):
     # order_ref: SMEM int32 [G]; a_ref: VMEM [B, D] (whole); out_ref: VMEM [G, D]
@@ -233,25 +255,13 @@ def _gather(a: jax.Array, order: jax.Array, interpret: Any) -> jax.Array:
 
     lax.fori_loop(0, group // tile, each, 0, unroll=64 // tile)
 
-  out = pl.pallas_call(
-      kernel, grid=(batch // group,),
-      in_specs=[_order_block(group), _whole(batch, width)],
-      out_specs=_rows(group, width),
-      out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
-      scratch_shapes=[pltpu.VMEM((batch, width), jnp.float32)] if wide else [],
-      compiler_params=_params(a, group),
-      interpret=interpret,
-      name="pallas_loop_rows_gather",
-  )(order, a)
-  return _unfused(out)
+  return _launch(kernel, a, order, interpret, gather=True, name="pallas_loop_rows_gather")
 
 
 def _scatter(a: jax.Array, order: jax.Array, interpret: Any) -> jax.Array:
   """out[order[r]] = a[r] for a `movable` array (`order` a permutation)."""
-  batch, width = a.shape
-  group = _group_rows(batch)
-  wide = _wide(a.dtype)
-  tile = 16 if wide else 8
+  batch = a.shape[0]
+  group, tile, wide = _group_rows(batch), _tile(a.dtype), _wide(a.dtype)
 
   def kernel(order_ref, a_ref, out_ref, *scratch):
     # order_ref: SMEM int32 [G]; a_ref: VMEM [G, D]; out_ref: VMEM [B, D] (whole,
@@ -272,14 +282,4 @@ def _scatter(a: jax.Array, order: jax.Array, interpret: Any) -> jax.Array:
       def _():
         _convert(dst, out_ref, batch)
 
-  out = pl.pallas_call(
-      kernel, grid=(batch // group,),
-      in_specs=[_order_block(group), _rows(group, width)],
-      out_specs=_whole(batch, width),
-      out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
-      scratch_shapes=[pltpu.VMEM((batch, width), jnp.float32)] if wide else [],
-      compiler_params=_params(a, group),
-      interpret=interpret,
-      name="pallas_loop_rows_scatter",
-  )(order, a)
-  return _unfused(out)
+  return _launch(kernel, a, order, interpret, gather=False, name="pallas_loop_rows_scatter")

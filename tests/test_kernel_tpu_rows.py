@@ -34,12 +34,14 @@ def _rows(dtype, batch, width=128, seed=0):
   return x.astype(dtype)
 
 
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.uint32)
+
+
 @pytest.mark.parametrize("dtype,batch", [
-    *[(d, b) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.uint32)
-      for b in (128, 384)],
-    (jnp.float32, 2304), (jnp.bfloat16, 2304),
-    *[pytest.param(d, 4096, marks=pytest.mark.slow)
-      for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.uint32)]])
+    *[(d, 128) for d in _DTYPES], (jnp.float32, 384), (jnp.bfloat16, 2304),
+    # The full sweep: every dtype at three, nine and two programs.
+    *[pytest.param(d, b, marks=pytest.mark.slow) for d in _DTYPES for b in (384, 2304, 4096)
+      if (d, b) not in ((jnp.float32, 384), (jnp.bfloat16, 2304))]])
 def test_gather_and_put_back_are_exact(dtype, batch):
   # 128 rows: one program; 384: three of 128 and 2304 nine of 256 (the
   # largest power of two dividing it); 4096: two of 2048. A 16-bit array's
@@ -135,3 +137,48 @@ def test_slabs_move_their_rows_with_them(monkeypatch):
   with pallas_loop.testing.poisoned_padding():
     got = run(h0)
   oracle.assert_trees_close(got, reference.iterate(step, params, h0, x, iters=n, max_iters=9))
+
+
+@pytest.mark.parametrize("batched", ["both", "rows", "order"])
+def test_the_kernels_compose_with_vmap(monkeypatch, batched):
+  # Mapped over arrays (or orders), the rows are merged into one launch, or
+  # moved by XLA where the merged array is too large; nested maps too.
+  maps, batch = 3, 128
+  a = jnp.stack([_rows(jnp.bfloat16, batch, seed=s) for s in range(maps)])
+  orders = jnp.stack([jax.random.permutation(jax.random.key(s), batch).astype(jnp.int32)
+                      for s in range(maps)])
+  axes = {"both": (0, 0), "rows": (0, None), "order": (None, 0)}[batched]
+  args = (a if axes[0] == 0 else a[0], orders if axes[1] == 0 else orders[0])
+  want_gather = jax.vmap(tiling.take_rows, in_axes=axes)(*args)
+  gather = lambda x, o: kernel_tpu_rows.gather(x, o, interpret=INTERPRET)
+  put_back = lambda x, o: kernel_tpu_rows.put_back(x, o, interpret=INTERPRET)
+  np.testing.assert_array_equal(jax.vmap(gather, in_axes=axes)(*args), want_gather)
+  np.testing.assert_array_equal(
+      jax.vmap(put_back, in_axes=(0, axes[1]))(want_gather, args[1]),
+      jnp.broadcast_to(args[0], want_gather.shape))
+  if batched == "both":
+    assert "pallas_loop_rows_gather" in _kernel_names(jax.vmap(gather), *args)
+    nested = jax.vmap(jax.vmap(gather))(a[None], orders[None])
+    np.testing.assert_array_equal(nested[0], want_gather)
+    # The merged array over LARGEST_BYTES: XLA's gather, the same rows.
+    monkeypatch.setattr(kernel_tpu_rows, "LARGEST_BYTES", batch * 128 * 4)
+    assert "pallas_loop_rows_gather" not in _kernel_names(jax.vmap(gather), *args)
+    np.testing.assert_array_equal(jax.vmap(gather)(*args), want_gather)
+    np.testing.assert_array_equal(jax.vmap(put_back)(want_gather, orders), a)
+
+
+def test_iterate_under_vmap_and_grad():
+  # vmap over problems (each its own rows and counts) through the group
+  # forward and backward, whose rows move by the kernels.
+  step, params, h0, x = blocks.make("tanh_rnn", 128, 128, jnp.float32)
+  n = jnp.stack([cases.counts("ragged", 128, seed=s) for s in (1, 2)])
+  hs, xs = jnp.stack([h0, 0.5 * h0]), jnp.stack([x, -x])
+  options = TPU_INTERPRET.replace(block_rows=16)
+  kw = dict(max_iters=cases.MAX_ITERS)
+  ours = lambda p, h, x_, k: pallas_loop.iterate(step, p, h, x_, iters=k, **kw, options=options)
+  ref = lambda p, h, x_, k: reference.iterate(step, p, h, x_, iters=k, **kw)
+  loss = lambda f: lambda p, h: jnp.sum(jax.vmap(f, in_axes=(None, 0, 0, 0))(p, h, xs, n) ** 2)
+  got = jax.vmap(ours, in_axes=(None, 0, 0, 0))(params, hs, xs, n)
+  oracle.assert_trees_close(got, jax.vmap(ref, in_axes=(None, 0, 0, 0))(params, hs, xs, n))
+  oracle.assert_trees_close(jax.grad(loss(ours), argnums=(0, 1))(params, hs),
+                            jax.grad(loss(ref), argnums=(0, 1))(params, hs), what="gradient")

@@ -111,8 +111,8 @@ def gather(tree: Any, order: jax.Array, *, interpret: Any = False) -> Any:
     True
   """
   return tree_util.tree_map(
-      lambda a: _gather(a, order, interpret) if movable(a) else tiling.take_rows(a, order),
-      tree)
+      lambda a: _batched(_gather, interpret)(a, order) if movable(a)
+      else tiling.take_rows(a, order), tree)
 
 
 def put_back(tree: Any, order: jax.Array, *, interpret: Any = False,
@@ -134,12 +134,48 @@ def put_back(tree: Any, order: jax.Array, *, interpret: Any = False,
   out = []
   for a in leaves:
     if movable(a):
-      out.append(_scatter(a, order, interpret))
+      out.append(_batched(_scatter, interpret)(a, order))
       continue
     if inverse is None:
       inverse = tiling.inverse_permutation(order, by_sort=invert_by_sort)
     out.append(tiling.take_rows(a, inverse))
   return tree_util.tree_unflatten(treedef, out)
+
+
+def _batched(move, interpret: Any):
+  """`move(a, order, interpret)` (`_gather` or `_scatter` on one `movable`
+  array) as a function of (a, order) that composes with `vmap`: mapped over
+  V arrays of B rows, their rows are merged into one array of V*B rows (the
+  order of array v offset by v*B), moved in one launch, and split again.
+  Where the merged array is not `movable` it moves by XLA's gather (by the
+  inverse permutation for a scatter), which vmaps as it is. (Pallas' own
+  batching of these kernels failed with JAX 0.11.2: "safe_zip() argument 1
+  has length 1 but argument 0 has length 2".)"""
+
+  @jax.custom_batching.custom_vmap
+  def moved(a, order):
+    return move(a, order, interpret)
+
+  @moved.def_vmap
+  def rule(axis_size, in_batched, a, order):
+    a_batched, order_batched = in_batched
+    if not a_batched:
+      a = jnp.broadcast_to(a, (axis_size,) + a.shape)
+    if not order_batched:
+      order = jnp.broadcast_to(order, (axis_size,) + order.shape)
+    maps, batch = order.shape
+    merged = a.reshape((maps * batch,) + a.shape[2:])
+    offsets = (jnp.arange(maps, dtype=order.dtype) * batch)[:, None]
+    merged_order = (order + offsets).reshape(-1)
+    if movable(merged):
+      out = moved(merged, merged_order)  # under an outer vmap, this rule again
+    elif move is _gather:
+      out = tiling.take_rows(merged, merged_order)
+    else:
+      out = tiling.take_rows(merged, tiling.inverse_permutation(merged_order, by_sort=True))
+    return out.reshape(a.shape), True
+
+  return moved
 
 
 def _group_rows(batch: int) -> int:

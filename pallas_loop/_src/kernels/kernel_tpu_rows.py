@@ -21,8 +21,9 @@ are widened to float32 in VMEM scratch first (exact for bfloat16 and float16)
 and narrowed back on the way out.
 
 What the kernels do not take (not 2-D, other dtypes, a width that is not a
-multiple of 128 lanes, rows not a multiple of 16, an array that would not fit
+multiple of 128 lanes, rows not a multiple of 128, an array that would not fit
 the VMEM it may use) moves by XLA's gather as before (`gather`, `put_back`).
+Under `vmap` the mapped arrays' rows are merged into one launch (`_batched`).
 """
 
 from __future__ import annotations

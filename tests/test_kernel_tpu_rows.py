@@ -38,10 +38,10 @@ _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.uint32)
 
 
 @pytest.mark.parametrize("dtype,batch", [
-    *[(d, 128) for d in _DTYPES], (jnp.float32, 384), (jnp.bfloat16, 2304),
+    *[(d, 128) for d in _DTYPES], (jnp.float32, 384), (jnp.bfloat16, 384),
     # The full sweep: every dtype at three, nine and two programs.
     *[pytest.param(d, b, marks=pytest.mark.slow) for d in _DTYPES for b in (384, 2304, 4096)
-      if (d, b) not in ((jnp.float32, 384), (jnp.bfloat16, 2304))]])
+      if (d, b) not in ((jnp.float32, 384), (jnp.bfloat16, 384))]])
 def test_gather_and_put_back_are_exact(dtype, batch):
   # 128 rows: one program; 384: three of 128 and 2304 nine of 256 (the
   # largest power of two dividing it); 4096: two of 2048. A 16-bit array's
@@ -107,6 +107,7 @@ def test_the_group_kernel_moves_its_rows_with_them(dtype):
     np.testing.assert_array_equal(run(h0), got)
 
 
+@pytest.mark.slow  # the quick set differentiates through them under vmap (below)
 def test_the_group_backward_moves_its_rows_with_them():
   batch = 128
   step, params, h0, x = blocks.make("tanh_rnn", batch, 128, jnp.float32)

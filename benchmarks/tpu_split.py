@@ -209,7 +209,7 @@ def main(argv=None) -> int:
         # inverse permutation (the library: a sort for the inverse, a gather).
         variants["whole, put back by unique scatter"] = (
             lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
-                tiling, {"in_tiles": _in_tiles_scattered_back}, pallas, params, h, r["x"],
+                kernel_tpu_rows, {"moves": _scattered_back}, pallas, params, h, r["x"],
                 r["iters"]))
         # The forward with the active-rows table searched (before it compared).
         variants["whole, active rows searched"] = ({"COMPARE_ALL_LIMIT": 0}, False)
@@ -233,24 +233,19 @@ def main(argv=None) -> int:
   return 0
 
 
-def _in_tiles_scattered_back(run, per_row, counts, *, rows, sort, must_be_finite,
-                             invert_by_sort=False):
-  """`tiling.in_tiles` with the outputs put back by a scatter whose indices
-  are declared unique (a permutation's), instead of a gather by the inverse
-  permutation (which costs a second sort): a `--parts` variant."""
+def _scattered_back(interpret):
+  """`kernel_tpu_rows.moves` for a `--parts` variant: the rows moved into
+  count order by XLA's gather and put back by XLA's scatter told its indices
+  are unique (a permutation's), with no inverse permutation (the library
+  before `kernel_tpu_rows`: the inverse's sort and a gather)."""
   from pallas_loop._src import tiling  # pylint: disable=g-import-not-at-top
-  del invert_by_sort
-  batch = counts.shape[0]
-  if sort:
-    counts, order = tiling.sorted_descending(counts)
-    per_row = tiling.take_rows(per_row, order)
-  per_row = tiling.pad_rows(per_row, rows, must_be_finite=must_be_finite)
-  out, other = run(per_row, jnp.pad(counts, (0, rows - batch)))
-  if not sort:
-    return jax.tree.map(lambda a: a[:batch], out), other
-  put = lambda a: jnp.zeros((batch,) + a.shape[1:], a.dtype).at[order].set(
-      a[:batch], unique_indices=True)
-  return jax.tree.map(put, out), other
+  del interpret
+
+  def put_back(tree, order):
+    return jax.tree.map(lambda a: jnp.zeros_like(a).at[order].set(a, unique_indices=True),
+                        tree)
+
+  return tiling.RowMoves(tiling.take_rows, put_back)
 
 
 def _parts(batch: int, max_iters: int) -> dict:

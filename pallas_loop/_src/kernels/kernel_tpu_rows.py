@@ -116,12 +116,11 @@ def gather(tree: Any, order: jax.Array, *, interpret: Any = False) -> Any:
       else tiling.take_rows(a, order), tree)
 
 
-def put_back(tree: Any, order: jax.Array, *, interpret: Any = False,
-             invert_by_sort: bool = True) -> Any:
+def put_back(tree: Any, order: jax.Array, *, interpret: Any = False) -> Any:
   """Every leaf's rows put back in the caller's order: row r of a leaf goes
   to row `order[r]` (the inverse of `gather`), by the kernel's scatter where
   the leaf is `movable`, else by XLA's gather with the inverse permutation
-  (computed only then: `tiling.inverse_permutation`).
+  (computed only then, by a sort: `tiling.inverse_permutation`).
 
   Example:
     >>> x = jnp.arange(128 * 128, dtype=jnp.float32).reshape(128, 128)
@@ -138,7 +137,7 @@ def put_back(tree: Any, order: jax.Array, *, interpret: Any = False,
       out.append(_batched(_scatter, interpret)(a, order))
       continue
     if inverse is None:
-      inverse = tiling.inverse_permutation(order, by_sort=invert_by_sort)
+      inverse = tiling.inverse_permutation(order, by_sort=True)
     out.append(tiling.take_rows(a, inverse))
   return tree_util.tree_unflatten(treedef, out)
 
@@ -147,9 +146,9 @@ def _batched(move, interpret: Any):
   """`move(a, order, interpret)` (`_gather` or `_scatter` on one `movable`
   array) as a function of (a, order) that composes with `vmap`: mapped over
   V arrays of B rows, their rows are merged into one array of V*B rows (the
-  order of array v offset by v*B), moved in one launch, and split again.
-  Where the merged array is not `movable` it moves by XLA's gather (by the
-  inverse permutation for a scatter), which vmaps as it is. (Pallas' own
+  order of array v offset by v*B), moved as one array by `gather` or
+  `put_back` (the kernel's launch, or XLA's gather where the merged array is
+  not `movable`), and split again. (Pallas' own
   batching of these kernels failed with JAX 0.11.2: "safe_zip() argument 1
   has length 1 but argument 0 has length 2".)"""
 
@@ -168,13 +167,9 @@ def _batched(move, interpret: Any):
     merged = a.reshape((maps * batch,) + a.shape[2:])
     offsets = (jnp.arange(maps, dtype=order.dtype) * batch)[:, None]
     merged_order = (order + offsets).reshape(-1)
-    if movable(merged):
-      out = moved(merged, merged_order)  # under an outer vmap, this rule again
-    elif move is _gather:
-      out = tiling.take_rows(merged, merged_order)
-    else:
-      out = tiling.take_rows(merged, tiling.inverse_permutation(merged_order, by_sort=True))
-    return out.reshape(a.shape), True
+    # Under an outer vmap, the merged array's move batches by this rule again.
+    whole = gather if move is _gather else put_back
+    return whole(merged, merged_order, interpret=interpret).reshape(a.shape), True
 
   return moved
 

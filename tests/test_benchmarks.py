@@ -310,3 +310,20 @@ def test_tpu_split_runs_every_variant(tmp_path, flags):
     assert {"whole", "sorted", "permutation", "whole C=64", "sorted no pieces",
             "parts: sort + active_rows (compare all)", "whole, active rows searched",
             "sorted, active rows searched"} <= names
+
+
+@pytest.mark.slow  # a TPU diagnostic: run here at a tiny size, every variant, to keep it working
+def test_deq_split_runs_every_variant(tmp_path):
+  from benchmarks import deq_split  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "deq.jsonl"
+  assert deq_split.main(["--batch", "64", "--d", "16", "--max-iters", "16", "--repeats", "1",
+                         "--chunks", "32", "--order", "ordered,shuffled",
+                         "--out", str(out)]) == 0
+  lines = [json.loads(line) for line in out.read_text().splitlines()]
+  cases = [r for r in lines if "variant" not in r]
+  assert len(cases) == 2 and all(1 <= r["steps_min"] <= r["steps_max"] <= 16 for r in cases)
+  timed = [r for r in lines if "variant" in r]
+  assert timed and all("error" not in r and r["ms"] > 0 for r in timed), timed
+  assert {"forward tol", "forward at its steps", "forward tol C=32", "grad Full",
+          "grad Implicit", "grad Phantom(4)", "grad Implicit C=32",
+          "grad Implicit, caller's order"} <= {r["variant"] for r in timed}

@@ -19,6 +19,7 @@ from pallas_loop import _reference as reference
 from pallas_loop._src.kernels import backend as backend_lib
 from pallas_loop._src.kernels import backend_mosaic_tpu
 from pallas_loop._src import dispatch
+from pallas_loop._src import grad_modes
 from pallas_loop._src.kernels import kernel_forward
 from pallas_loop._src.kernels import kernel_tpu_groups
 from pallas_loop._src.step import step_fn
@@ -376,11 +377,15 @@ def test_slab_rows():
     assert kernel_tpu_groups.slab_rows(300, 16, [h, h]) == 96  # 128 bytes a row
 
 
-def test_implicit_adjoint_moves_no_row():
+@pytest.mark.parametrize("in_step_order", [True, False])
+def test_implicit_adjoint_moves_no_row(monkeypatch, in_step_order):
   # The implicit adjoint gives every row one budget (a row that took no step
   # starts from a zero cotangent): with one count in the forward too, no row
-  # is sorted or gathered in either solve. Rows with no step keep the
+  # is sorted or gathered in either solve; the rows are sorted once, by the
+  # steps they took forward, around the adjoint solve
+  # (`grad_modes.ADJOINT_IN_STEP_ORDER`). Rows with no step keep the
   # cotangent of h0 and no adjoint, as with the XLA implementation.
+  monkeypatch.setattr(grad_modes, "ADJOINT_IN_STEP_ORDER", in_step_order)
   step, params, h0, x = blocks.make("deq", 64, 16)
   n = jnp.where(jnp.arange(64) % 9 == 0, 0, 30)
 
@@ -391,8 +396,12 @@ def test_implicit_adjoint_moves_no_row():
     return jax.grad(loss, argnums=(0, 1))
 
   kernel = TPU_INTERPRET.replace(block_rows=16)
-  prims = _primitives(grads(kernel, None), params, h0)
-  assert "sort" not in prims and "gather" not in prims, prims
+  jaxpr = jax.make_jaxpr(grads(kernel, None))(params, h0).jaxpr
+  sorts = [e for e in backend_lib.iter_eqns(jaxpr) if e.primitive.name == "sort"]
+  # The order by the forward's steps and its inverse.
+  assert len(sorts) == (2 if in_step_order else 0), sorts
+  if not in_step_order:
+    assert "gather" not in {e.primitive.name for e in backend_lib.iter_eqns(jaxpr)}
   for iters in (None, n):
     got = grads(kernel, iters)(params, h0)
     want = grads(pallas_loop.Options(implementation="xla"), iters)(params, h0)

@@ -24,8 +24,14 @@ from pallas_loop._src import implicit_adjoint
 from pallas_loop._src import loop as loop_lib
 from pallas_loop._src import loop_reverse
 from pallas_loop._src.step import step_fn as step_fn_lib
+from pallas_loop._src import tiling
 from pallas_loop._src import validation
 from pallas_loop._src.operands import Gradients, LoopOperands, LoopOutputs, WindowOperands
+
+# Whether `Implicit`'s adjoint solve runs its rows in the order of the steps
+# they took forward (False: the caller's order; `benchmarks.deq_split` times
+# both).
+ADJOINT_IN_STEP_ORDER = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +228,10 @@ class Implicit(GradMode):
   implementation as the forward), then returns u·∂f/∂(params, x). Exact for
   rows that converged to a fixed point of a contraction; an approximation for
   rows that stopped on their budget. The gradient w.r.t. `h0` is zero, except
-  for rows that applied no step (their output is `h0`). Saves only `h*`.
+  for rows that applied no step (their output is `h0`). Saves only `h*`. The
+  adjoint solve runs the rows in the order of the steps they took forward
+  (their adjoint stops about as late), so that a kernel's tile holds rows that
+  stop together; the cotangents come back in the caller's order.
 
   Attributes:
     tol: rms tolerance of the adjoint iteration (float > 0), or None (the
@@ -280,6 +289,19 @@ class Implicit(GradMode):
     # be given the one budget, which `iterate` knows at trace time: it then
     # sorts and moves no row (a [B] array of budgets and zeros was sorted).
     g_floats = [_zero_rows(steps > 0, a) for a in g_floats]
+    per_row = (ops.x, t_last, rows)
+    took = steps
+    if ADJOINT_IN_STEP_ORDER:
+      # Each row's adjoint solve halts on the tolerance, and a kernel's tile
+      # runs until its slowest row stops. How many steps the adjoint takes
+      # follows how many the forward took (the same map's contraction at the
+      # same point sets both), so the rows are solved in the order of their
+      # forward steps: a tile then holds rows that stop together. One sort of
+      # the steps, a gather of the rows' operands, and their cotangents put
+      # back after.
+      _, order = tiling.sorted_descending(steps)
+      h_star, per_row, g_floats, took = tiling.take_rows((h_star, per_row, g_floats, steps),
+                                                         order)
 
     def fmap(shared, h, per_row):  # each row at its last step's index and key
       x, t, r = per_row
@@ -289,9 +311,11 @@ class Implicit(GradMode):
       return ctx.iterate(step, shared, g0, per_row, iters=budget, max_iters=budget,
                          tol=tol), None
 
-    settle = lambda u, _: [_zero_rows(steps > 0, a) for a in u]
+    settle = lambda u, _: [_zero_rows(took > 0, a) for a in u]
     (g_params, g_consts), (g_x, _, _), _ = implicit_adjoint.vjp(
-        fmap, (ops.params, ops.consts), h_star, (ops.x, t_last, rows), g_floats, solve, settle)
+        fmap, (ops.params, ops.consts), h_star, per_row, g_floats, solve, settle)
+    if ADJOINT_IN_STEP_ORDER:
+      g_x = tiling.take_rows(g_x, tiling.inverse_permutation(order, by_sort=True))
     return g_params, g_consts, _zero_rows(steps == 0, g), g_x
 
   def traces_backward_early(self, ctx: Context) -> bool:

@@ -1,0 +1,143 @@
+"""Where a deep equilibrium layer's time goes: the forward's halting, the gradient modes.
+
+The fixed-point gradient modes (`Implicit`, `Phantom`) cost a forward that
+halts on a tolerance plus a backward; this script times, for
+`benchmarks.grad_modes`' deep-equilibrium case (`blocks.deq`,
+`h <- tanh(h W + x U)`, float32, rows whose input scale grows along the batch,
+so that their convergence speed does; `--order shuffled` puts the rows in a
+random order, as a data set would) inside one `jit` as `grad_modes` does
+(`device_timing.chained_seconds`, the floor of a jitted call left out; the
+state is kept at h0 from one application to the next, so every application
+solves from the same start), per application:
+
+  forward tol          `iterate(..., tol=)` as `grad_modes` calls it: every
+                       row's budget T, halting at rms(update) <= tol
+  forward tol C=..     the same at another chunk height (`--chunks`; the
+                       gradients `grad Implicit C=..`, `grad Phantom(4) C=..`)
+  forward at its steps each row given the steps it halted at as its count, no
+                       tolerance: the loop when the counts are known before it
+                       (rows sorted by them, nothing tracked)
+  grad Full/Implicit/Phantom(4)  `jax.grad` of the output's sum w.r.t.
+                       (params, h0, x), as `grad_modes` times it
+  grad Implicit, caller's order  the adjoint solved with the rows in the
+                       caller's order (`grad_modes.ADJOINT_IN_STEP_ORDER`
+                       False), not in the order of their forward steps
+
+Each line: case, variant, ms, ns per useful row-step (the steps the rows
+halted at), chain, floor_ms; the first line of a case gives the halting
+steps' mean, max and the work efficiency of chunks of 2048 rows run to
+their slowest row.
+
+    python -m benchmarks.deq_split [--out deq.jsonl] [--batch 4096] [--d 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import blocks
+from benchmarks import device_timing
+from benchmarks import tpu_design
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=None)
+  parser.add_argument("--batch", type=int, default=4096)
+  parser.add_argument("--d", type=int, default=128)
+  parser.add_argument("--max-iters", type=int, default=64)
+  parser.add_argument("--tol", type=float, default=1e-5)
+  parser.add_argument("--order", default="ordered", help="ordered,shuffled")
+  parser.add_argument("--chunks", default="", help="comma-separated chunk heights")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--precision", default="highest")
+  parser.add_argument("--only", action="append", default=[], metavar="PREFIX",
+                      help="time only the variants whose name starts with this (repeatable)")
+  args = parser.parse_args(argv)
+  write = device_timing.json_lines(args.out)
+  with (jax.default_matmul_precision(args.precision) if args.precision
+        else contextlib.nullcontext()):
+    for order in args.order.split(","):
+      _case(args, order, write)
+  return 0
+
+
+def _case(args, order: str, write) -> None:
+  import pallas_loop  # pylint: disable=g-import-not-at-top
+  from pallas_loop._src import grad_modes  # pylint: disable=g-import-not-at-top
+
+  batch, t_max, tol = args.batch, args.max_iters, args.tol
+  step, params, h0, x = blocks.make("deq", batch, args.d, jnp.float32, jax.random.key(0))
+  if order == "shuffled":
+    x = x[np.random.default_rng(0).permutation(batch)]
+  label = f"deq B={batch} D={args.d} T={t_max} tol={tol} {order}"
+  budget = jnp.full((batch,), t_max, jnp.int32)  # as grad_modes gives it
+  kw = dict(max_iters=t_max)
+  _, info = jax.jit(lambda p, h, x_: pallas_loop.iterate(
+      step, p, h, x_, iters=budget, tol=tol, return_info=True, **kw))(params, h0, x)
+  steps = np.asarray(info.steps)
+  useful = int(steps.sum())
+  chunk_max = steps[:batch // 2048 * 2048].reshape(-1, 2048).max(1) if batch >= 2048 else None
+  write({"what": "deq_split", "case": label, "steps_mean": float(steps.mean()),
+         "steps_max": int(steps.max()), "steps_min": int(steps.min()),
+         "efficiency_2048": (float(steps[:chunk_max.size * 2048].sum() / (chunk_max.sum() * 2048))
+                             if chunk_max is not None else None)})
+  floor = device_timing.floor_seconds(h0, args.repeats)
+  keep = lambda h, out: device_timing.folded_gradient(h, out, ())  # h stays h0
+
+  def forward(**extra):
+    return lambda h, r: keep(h, pallas_loop.iterate(step, params, h, r["x"], iters=budget,
+                                                    tol=tol, **kw, **extra))
+
+  def grad(mode, **extra):
+    loss = lambda p, h, x_: jnp.sum(pallas_loop.iterate(step, p, h, x_, iters=budget, tol=tol,
+                                                        grad=mode, **kw, **extra))
+    g = jax.grad(loss, argnums=(0, 1, 2))
+
+    def apply(h, r):
+      g_p, g_h, g_x = g(params, h, r["x"])
+      return device_timing.folded_gradient(h, g_h, (g_p, g_x))
+    return apply
+
+  variants = {
+      "forward tol": forward(),
+      "forward at its steps": lambda h, r: keep(h, pallas_loop.iterate(
+          step, params, h, r["x"], iters=r["steps"], **kw)),
+  }
+  for chunk in (int(c) for c in args.chunks.split(",") if c):
+    variants[f"forward tol C={chunk}"] = forward(
+        options=pallas_loop.Options(block_rows=chunk))
+  variants["grad Full"] = grad("full")
+  variants["grad Implicit"] = grad(pallas_loop.Implicit(tol=1e-6, max_iters=t_max))
+  variants["grad Phantom(4)"] = grad(pallas_loop.Phantom(4))
+  for chunk in (int(c) for c in args.chunks.split(",") if c):
+    for mode in (pallas_loop.Implicit(tol=1e-6, max_iters=t_max), pallas_loop.Phantom(4)):
+      name = "Implicit" if isinstance(mode, pallas_loop.Implicit) else "Phantom(4)"
+      variants[f"grad {name} C={chunk}"] = grad(mode,
+                                                options=pallas_loop.Options(block_rows=chunk))
+  variants["grad Implicit, caller's order"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
+      grad_modes, {"ADJOINT_IN_STEP_ORDER": False}, variants["grad Implicit"], h, r)
+  inputs = {"x": x, "steps": jnp.asarray(steps)}
+  for name, fn in variants.items():
+    if args.only and not any(name.startswith(p) for p in args.only):
+      continue
+    rec = {"what": "deq_split", "case": label, "variant": name,
+           "precision": args.precision}
+    try:
+      secs, chain = device_timing.chained_seconds(fn, h0, inputs, repeats=args.repeats,
+                                                  floor=floor)
+      rec.update(ms=secs * 1e3, ns_per_useful_row_step=secs * 1e9 / useful, chain=chain,
+                 floor_ms=floor * 1e3)
+    except Exception as e:  # noqa: BLE001 - a variant that fails is a finding
+      rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+    write(rec)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

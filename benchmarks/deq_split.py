@@ -23,8 +23,8 @@ solves from the same start), per application:
                        caller's order (`grad_modes.ADJOINT_IN_STEP_ORDER`
                        False), not in the order of their forward steps
 
-Each line: case, variant, ms, ns per useful row-step (the steps the rows
-halted at), chain, floor_ms; the first line of a case gives the halting
+Each line: case, variant, ms, ns_per_row_step (per useful row-step: the steps
+the rows halted at), chain, floor_ms; the first line of a case gives the halting
 steps' mean, max and the work efficiency of chunks of 2048 rows run to
 their slowest row.
 
@@ -124,19 +124,10 @@ def _case(args, order: str, write) -> None:
   variants["grad Implicit, caller's order"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
       grad_modes, {"ADJOINT_IN_STEP_ORDER": False}, variants["grad Implicit"], h, r)
   inputs = {"x": x, "steps": jnp.asarray(steps)}
-  for name, fn in variants.items():
-    if args.only and not any(name.startswith(p) for p in args.only):
-      continue
-    rec = {"what": "deq_split", "case": label, "variant": name,
-           "precision": args.precision}
-    try:
-      secs, chain = device_timing.chained_seconds(fn, h0, inputs, repeats=args.repeats,
-                                                  floor=floor)
-      rec.update(ms=secs * 1e3, ns_per_useful_row_step=secs * 1e9 / useful, chain=chain,
-                 floor_ms=floor * 1e3)
-    except Exception as e:  # noqa: BLE001 - a variant that fails is a finding
-      rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-    write(rec)
+  device_timing.time_variants(variants, h0, inputs, useful=useful, floor=floor,
+                              repeats=args.repeats, write=write, only=args.only,
+                              record={"what": "deq_split", "case": label,
+                                      "precision": args.precision})
 
 
 if __name__ == "__main__":

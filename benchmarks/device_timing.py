@@ -158,6 +158,28 @@ def bound_ns_per_row_step(flops_per_row_step: float, device_kind: str) -> float 
   return None if peak is None else flops_per_row_step / (peak * 1e12) * 1e9
 
 
+def time_variants(variants: dict, h0: Any, per_row: Any, *, useful: int, floor: float,
+                  repeats: int, write: Callable[[dict], None], record: dict,
+                  only: Sequence[str] = ()) -> None:
+  """Times each variant `apply(h, per_row) -> h` of `variants` (name -> apply)
+  with `chained_seconds`, and writes a record for each as it finishes:
+  `record` with the variant's name, ms, ns per useful row-step (`useful`
+  row-steps an application), chain and floor_ms, or the error a variant
+  raised (a variant that fails is a finding, not the end of the run). With
+  `only`, just the variants whose name starts with one of its prefixes."""
+  for name, fn in variants.items():
+    if only and not any(name.startswith(prefix) for prefix in only):
+      continue
+    rec = {**record, "variant": name}
+    try:
+      secs, chain = chained_seconds(fn, h0, per_row, repeats=repeats, floor=floor)
+      rec.update(ms=secs * 1e3, ns_per_row_step=secs * 1e9 / max(useful, 1), chain=chain,
+                 floor_ms=floor * 1e3)
+    except Exception as e:  # noqa: BLE001 - a variant that fails is a finding
+      rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+    write(rec)
+
+
 def json_lines(path: str | None) -> Callable[[dict], None]:
   """write(record): prints the record as a JSON line, stamped with the date,
   the device kind and the JAX version, and appends it to `path` (if given),

@@ -131,7 +131,9 @@ def main(argv=None) -> int:
         run = lambda per_row, c: (per_row[0], None)
         return tiling.in_tiles(run, (h, r["x"], None), r["iters"], rows=batch, sort=True,
                                must_be_finite=False, invert_by_sort=True,
-                               moves=kernel_tpu_rows.moves(False))[0]
+                               # Interpreted off the chip (this diagnostic's CPU test).
+                               moves=kernel_tpu_rows.moves(
+                                   jax.default_backend() != "tpu"))[0]
 
       if args.grad:
         gcase = cases._case(args.block, batch, 128, dist, dtype="bfloat16", grad="full")  # pylint: disable=protected-access
@@ -296,18 +298,9 @@ def _parts(batch: int, max_iters: int) -> dict:
 def _time(variants, case, h0, inputs, useful, floor, repeats, write, only=()) -> None:
   """Times each variant (apply(h, inputs) -> h), a JSON line each; with
   `only`, those whose name starts with one of its prefixes."""
-  for name, fn in variants.items():
-    if only and not any(name.startswith(prefix) for prefix in only):
-      continue
-    rec = {"what": "split", "case": case.label, "variant": name}
-    try:
-      secs, chain = device_timing.chained_seconds(fn, h0, inputs, repeats=repeats,
-                                                  floor=floor)
-      rec.update(ms=secs * 1e3, ns_per_row_step=secs * 1e9 / useful, chain=chain,
-                 floor_ms=floor * 1e3)
-    except Exception as e:  # noqa: BLE001 - a variant that fails is a finding
-      rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-    write(rec)
+  device_timing.time_variants(variants, h0, inputs, useful=useful, floor=floor,
+                              repeats=repeats, write=write, only=only,
+                              record={"what": "split", "case": case.label})
 
 
 if __name__ == "__main__":

@@ -117,7 +117,9 @@ def compiled_text(batch: int, max_iters: int, grad: bool, block: str = "tanh_rnn
   run = lambda p, h, x_, k: pallas_loop.iterate(step, p, h, x_, iters=k, max_iters=max_iters)
   fn = run
   if grad:
-    fn = jax.grad(lambda p, h, x_, k: jnp.sum(run(p, h, x_, k).astype(jnp.float32)),
+    # Every leaf of the state summed (the LSTM's is a pair).
+    fn = jax.grad(lambda p, h, x_, k: sum(jnp.sum(a.astype(jnp.float32))
+                                          for a in jax.tree.leaves(run(p, h, x_, k))),
                   argnums=(0, 1))
   with tpu_design.patched(kernel_tpu_groups, **slabs):
     return deviceless.compile_for(fn, (params, h0, x, counts), mesh).as_text()

@@ -320,8 +320,9 @@ def plan(backend: backend_lib.Backend, step_fn: step_fn_lib.StepFn, params, cons
 def slab_rows(batch: int, chunk: int, per_row: list) -> int:
   """The rows of a slab: the batch where the rows' permuted arrays
   (`per_row`: avals with a leading row axis) take at most
-  `SLABS_FROM_BYTES`, else whole chunks, at most those that take
-  `SLAB_BYTES` (but at least `CHUNKS_PER_GROUP` of them, one group's), in
+  `SLABS_FROM_BYTES`, else whole chunks (and whole 128-row tiles, which
+  the row kernels move, where a slab holds one), at most those that take
+  `SLAB_BYTES` (but at least `CHUNKS_PER_GROUP` chunks, one group's), in
   as many slabs as pad the batch least (of the counts up to twice the
   fewest whose slabs keep that least; fewer slabs on a tie).
 
@@ -347,7 +348,11 @@ def slab_rows(batch: int, chunk: int, per_row: list) -> int:
   least = CHUNKS_PER_GROUP * chunk
   most = max(least, SLAB_BYTES // max(size, 1) // chunk * chunk)
   fewest = -(-batch // most)
-  rows_of = lambda slabs: tiling.padded_rows(-(-batch // slabs), chunk)
+  # Whole 128-row tiles too where a slab holds one: the row kernels move only
+  # such rows (`kernel_tpu_rows.movable`; a default chunk is 2048 rows).
+  tile = math.lcm(chunk, 128)
+  unit = tile if most >= tile else chunk
+  rows_of = lambda slabs: tiling.padded_rows(-(-batch // slabs), unit)
   counts = [n for n in range(fewest, 2 * fewest + 1) if n == fewest or rows_of(n) >= least]
   return rows_of(min(counts, key=lambda n: (n * rows_of(n), n)))
 

@@ -338,8 +338,8 @@ def slab_rows(batch: int, chunk: int, per_row: list) -> int:
     >>> x = jax.ShapeDtypeStruct((262144, 128), jnp.float32)
     >>> slab_rows(262144, 2048, [h, h, x]), slab_rows(32768, 2048, [h, h, x])
     (32768, 32768)
-    >>> gru = [h, h, h] + [x] * 3  # at most 14336 rows a slab: 4 of 8192, not 3 of 12288
-    >>> slab_rows(32768, 2048, [a.update(shape=(32768, 128)) for a in gru])
+    >>> six = [a.update(shape=(32768, 128)) for a in [h, h, h, x, x, x]]  # 2304 B a row
+    >>> slab_rows(32768, 2048, six)  # at most 14336 rows: 4 slabs of 8192, not 3 of 12288
     8192
   """
   size = sum(math.prod(a.shape[1:]) * jnp.dtype(a.dtype).itemsize for a in per_row)

@@ -43,6 +43,7 @@ import numpy as np
 
 from benchmarks import blocks
 from benchmarks import device_timing
+from benchmarks import grad_modes as grad_modes_bench
 from benchmarks import tpu_design
 
 
@@ -83,11 +84,11 @@ def _case(args, order: str, write) -> None:
       step, p, h, x_, iters=budget, tol=tol, return_info=True, **kw))(params, h0, x)
   steps = np.asarray(info.steps)
   useful = int(steps.sum())
-  chunk_max = steps[:batch // 2048 * 2048].reshape(-1, 2048).max(1) if batch >= 2048 else None
+  chunks = steps[:batch // 2048 * 2048].reshape(-1, 2048)  # whole chunks of 2048 rows
   write({"what": "deq_split", "case": label, "steps_mean": float(steps.mean()),
          "steps_max": int(steps.max()), "steps_min": int(steps.min()),
-         "efficiency_2048": (float(steps[:chunk_max.size * 2048].sum() / (chunk_max.sum() * 2048))
-                             if chunk_max is not None else None)})
+         "efficiency_2048": (float(chunks.sum() / (chunks.max(1).sum() * 2048))
+                             if chunks.size else None)})
   floor = device_timing.floor_seconds(h0, args.repeats)
   keep = lambda h, out: device_timing.folded_gradient(h, out, ())  # h stays h0
 
@@ -98,29 +99,25 @@ def _case(args, order: str, write) -> None:
   def grad(mode, **extra):
     loss = lambda p, h, x_: jnp.sum(pallas_loop.iterate(step, p, h, x_, iters=budget, tol=tol,
                                                         grad=mode, **kw, **extra))
-    g = jax.grad(loss, argnums=(0, 1, 2))
+    return grad_modes_bench.chained_gradient(jax.grad(loss, argnums=(0, 1, 2)), params)
 
-    def apply(h, r):
-      g_p, g_h, g_x = g(params, h, r["x"])
-      return device_timing.folded_gradient(h, g_h, (g_p, g_x))
-    return apply
-
+  at_chunks = {chunk: pallas_loop.Options(block_rows=chunk)
+               for chunk in (int(c) for c in args.chunks.split(",") if c)}
+  fixed_point = {"Implicit": pallas_loop.Implicit(tol=1e-6, max_iters=t_max),
+                 "Phantom(4)": pallas_loop.Phantom(4)}
   variants = {
       "forward tol": forward(),
       "forward at its steps": lambda h, r: keep(h, pallas_loop.iterate(
           step, params, h, r["x"], iters=r["steps"], **kw)),
   }
-  for chunk in (int(c) for c in args.chunks.split(",") if c):
-    variants[f"forward tol C={chunk}"] = forward(
-        options=pallas_loop.Options(block_rows=chunk))
+  for chunk, options in at_chunks.items():
+    variants[f"forward tol C={chunk}"] = forward(options=options)
   variants["grad Full"] = grad("full")
-  variants["grad Implicit"] = grad(pallas_loop.Implicit(tol=1e-6, max_iters=t_max))
-  variants["grad Phantom(4)"] = grad(pallas_loop.Phantom(4))
-  for chunk in (int(c) for c in args.chunks.split(",") if c):
-    for mode in (pallas_loop.Implicit(tol=1e-6, max_iters=t_max), pallas_loop.Phantom(4)):
-      name = "Implicit" if isinstance(mode, pallas_loop.Implicit) else "Phantom(4)"
-      variants[f"grad {name} C={chunk}"] = grad(mode,
-                                                options=pallas_loop.Options(block_rows=chunk))
+  for name, mode in fixed_point.items():
+    variants[f"grad {name}"] = grad(mode)
+  for chunk, options in at_chunks.items():
+    for name, mode in fixed_point.items():
+      variants[f"grad {name} C={chunk}"] = grad(mode, options=options)
   variants["grad Implicit, caller's order"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
       grad_modes, {"ADJOINT_IN_STEP_ORDER": False}, variants["grad Implicit"], h, r)
   inputs = {"x": x, "steps": jnp.asarray(steps)}

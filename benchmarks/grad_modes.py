@@ -66,18 +66,26 @@ DEFAULT_CASES = (
 )
 
 
-def device_seconds(grad, args, *, repeats: int, floor: float) -> tuple[float, int]:
-  """(seconds of one application of `grad` on the device, the chain): `grad`
-  (params, h0, x) -> gradients w.r.t. all three, applied inside one `jit`
-  (`device_timing.chained_seconds`), each application's gradients folded
-  into the next one's `h0` (`device_timing.folded_gradient`)."""
-  params, h0, x = args
+def chained_gradient(grad, params):
+  """apply(h, rows) -> h for `device_timing.chained_seconds`: `grad` (params,
+  h, x) -> gradients w.r.t. all three, at `rows["x"]`, its gradients folded
+  into the next application's `h` (`device_timing.folded_gradient`: h keeps
+  its value)."""
 
   def apply(h, rows):
     g_params, g_h, g_x = grad(params, h, rows["x"])
     return device_timing.folded_gradient(h, g_h, (g_params, g_x))
 
-  return device_timing.chained_seconds(apply, h0, {"x": x}, chain=device_timing.default_chain(),
+  return apply
+
+
+def device_seconds(grad, args, *, repeats: int, floor: float) -> tuple[float, int]:
+  """(seconds of one application of `grad` on the device, the chain): `grad`
+  (params, h0, x) applied inside one `jit` (`device_timing.chained_seconds`,
+  `chained_gradient`)."""
+  params, h0, x = args
+  return device_timing.chained_seconds(chained_gradient(grad, params), h0, {"x": x},
+                                       chain=device_timing.default_chain(),
                                        repeats=repeats, floor=floor)
 
 

@@ -380,7 +380,7 @@ def test_slab_rows():
 
 
 @pytest.mark.parametrize("in_step_order", [True, False])
-def test_implicit_adjoint_moves_no_row(monkeypatch, in_step_order):
+def test_implicit_adjoint_sorts_rows_only_by_their_forward_steps(monkeypatch, in_step_order):
   # The implicit adjoint gives every row one budget (a row that took no step
   # starts from a zero cotangent): with one count in the forward too, no row
   # is sorted or gathered in either solve; the rows are sorted once, by the

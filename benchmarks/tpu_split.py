@@ -178,6 +178,11 @@ def main(argv=None) -> int:
           # permutation's (before `kernel_tpu_rows`).
           "whole, XLA's row gathers": lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
               kernel_tpu_rows, {"KERNELS": False}, pallas, params, h, r["x"], r["iters"]),
+          # The row kernels as before `SMEM_VIEW` (each row's index read at
+          # its own offset, 64 rows a loop body).
+          "whole, row kernels without the order's view": lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
+              kernel_tpu_rows, {"SMEM_VIEW": False, "GATHER_ROWS_A_TRIP": 64,
+                                "SCATTER_ROWS_A_TRIP": 64}, pallas, params, h, r["x"], r["iters"]),
       }
       if args.variants and dist == "uniform":
         # The sort that orders the rows: JAX's two-operand sort (the library's
@@ -203,7 +208,11 @@ def main(argv=None) -> int:
         variants[f"sorted C={chunk}"] = in_order(lambda h, r, f=run_at: f(params, h, r["x"],
                                                                          sorted_iters(r)))
       if args.parts:
-        variants.update(_parts(batch, case.max_iters))
+        # The pieces alone read only the counts: their chains do not carry
+        # the inputs (a chain of 256 stacked copies of x is 2 GiB at B=32768).
+        counts_only = {k: inputs[k] for k in ("iters", "ramp")}
+        _time(_parts(batch, case.max_iters), case, h0, counts_only, useful, floor,
+              args.repeats, write, args.only)
         # A batch of slabs as one slab (before the slabs): one permutation
         # of every row.
         variants["whole, one slab"] = ({"SLABS_FROM_BYTES": 1 << 62}, False)
@@ -250,6 +259,31 @@ def _scattered_back(interpret):
   return tiling.RowMoves(tiling.take_rows, put_back)
 
 
+def counting_rank(counts: jax.Array, max_iters: int) -> jax.Array:
+  """int32 [B]: each row's place in descending count order (stable), without
+  a sort: the inverse of `tiling.sorted_descending`'s order. One-hot counts;
+  the rows of the same count before a row within its 128-row block by one
+  product with a strictly lower triangle, those of earlier blocks and of
+  larger counts by cumulative sums of the histograms. B a multiple of 128.
+
+  Example:
+    >>> counting_rank(jnp.array([1, 3, 2, 3] * 32), 3)[:4]
+    Array([96,  0, 64,  1], dtype=int32)
+  """
+  batch = counts.shape[0]
+  span = max_iters + 1
+  onehot = (counts[:, None] == jnp.arange(span)[None, :]).astype(jnp.bfloat16)
+  blocks_ = onehot.reshape(batch // 128, 128, span)
+  lower = jnp.tri(128, k=-1, dtype=jnp.bfloat16)
+  within = jnp.einsum("ij,bjt->bit", lower, blocks_, preferred_element_type=jnp.float32)
+  per_block = jnp.sum(blocks_.astype(jnp.float32), axis=1)
+  earlier = jnp.cumsum(per_block, axis=0) - per_block
+  hist = jnp.sum(per_block, axis=0)
+  larger = jnp.cumsum(hist[::-1])[::-1] - hist
+  place = within + earlier[:, None, :] + larger[None, None, :]
+  return jnp.sum(blocks_.astype(jnp.float32) * place, axis=2).reshape(batch).astype(jnp.int32)
+
+
 def _parts(batch: int, max_iters: int) -> dict:
   """apply(h, inputs) -> h for each piece of the work around the loop alone
   (its result folded into h, so that it is computed)."""
@@ -288,7 +322,20 @@ def _parts(batch: int, max_iters: int) -> dict:
                                               unique_indices=True)
     return fold(h, inv)
 
-  return {"parts: sort": sort, "parts: inverse by sort": inverse(True),
+  def rank_by_counting(h, r):
+    return fold(h, counting_rank(r["iters"], max_iters))
+
+  def rank_and_active_by_counting(h, r):
+    # The active-rows table of one group from the same histogram: the rows
+    # with a count above t.
+    rank = counting_rank(r["iters"], max_iters)
+    hist = jnp.zeros((max_iters + 1,), jnp.int32).at[r["iters"]].add(1)
+    active = jnp.cumsum(hist[::-1])[::-1][1:]
+    return fold(fold(h, rank), active)
+
+  return {"parts: sort": sort, "parts: rank by counting": rank_by_counting,
+          "parts: rank and active rows by counting": rank_and_active_by_counting,
+          "parts: inverse by sort": inverse(True),
           "parts: inverse by scatter": inverse(False),
           "parts: inverse by unique scatter": inverse_unique,
           "parts: sort + active_rows (searchsorted)": active(False),

@@ -308,8 +308,20 @@ def test_tpu_split_runs_every_variant(tmp_path, flags):
             "grad whole, active rows searched"} <= names
   else:
     assert {"whole", "sorted", "permutation", "whole C=64", "sorted no pieces",
-            "parts: sort + active_rows (compare all)", "whole, active rows searched",
-            "sorted, active rows searched"} <= names
+            "parts: sort + active_rows (compare all)", "parts: rank by counting",
+            "whole, active rows searched", "sorted, active rows searched",
+            "whole, row kernels without the order's view"} <= names
+
+
+def test_counting_rank_is_the_sorts_inverse():
+  # `tpu_split`'s sort-free rank: each row's place in the stable descending
+  # order, as the inverse of the library's sort (counts with ties, and 0).
+  from benchmarks import tpu_split  # pylint: disable=g-import-not-at-top
+  from pallas_loop._src import tiling  # pylint: disable=g-import-not-at-top
+  counts = jnp.asarray(np.random.default_rng(3).integers(0, 17, 512), jnp.int32)
+  _, order = tiling.sorted_descending(counts)
+  np.testing.assert_array_equal(tpu_split.counting_rank(counts, 16),
+                                tiling.inverse_permutation(order))
 
 
 @pytest.mark.slow  # a TPU diagnostic: run here at a tiny size, every variant, to keep it working

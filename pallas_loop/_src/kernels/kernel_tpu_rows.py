@@ -52,6 +52,21 @@ LARGEST_BYTES = 24 * 2**20
 # Rows a program writes (gather) or reads (scatter): its slice of the order
 # lives in SMEM.
 LARGEST_GROUP = 2048
+# The gather's loop body, as compiled for a v5e (libtpu 0.0.42.1, deviceless,
+# `benchmarks.tpu_bundles`' reading of the final bundles): a row costs a
+# scalar load of its index, its address, a vector load, a sublane rotation
+# and a select. Reading a tile's indices through one view of the order
+# (`SMEM_VIEW`) drops an add a row, and a body of 128 rows instead of 64
+# spreads the chain's latency over more of them: a float32 [32768, 128]
+# gather's body went from 103 bundles for 64 rows to 160 for 128 (1.61 to
+# 1.25 cycles a row), a bfloat16 one's from 109 to 188 (1.70 to 1.47). The
+# scatter (a scalar load, an address and a store a row) spills scalar
+# registers with the view in a body of 64 rows (127 bundles against 119):
+# with the view, 32 rows a body (51 bundles for float32, 1.59 cycles a row
+# against 1.86; 60 for bfloat16, 1.88 as before).
+SMEM_VIEW = True
+GATHER_ROWS_A_TRIP = 128
+SCATTER_ROWS_A_TRIP = 32
 # A program's slice of the order is a 1-D SMEM block of G entries, a power of
 # two of at least 128: Mosaic's rule for a 1-D block admits the whole order
 # too, but libtpu 0.0.48.1 crashed (SIGSEGV) compiling a whole order of 48 or
@@ -281,11 +296,17 @@ def _gather(a: jax.Array, order: jax.Array, interpret: Any) -> jax.Array:
 
     def each(i, carry):
       base = pl.multiple_of(i * tile, tile)
-      rows = [src[pl.ds(order_ref[base + u], 1), :] for u in range(tile)]
+      if SMEM_VIEW:
+        # The tile's indices through one view of the order: each read is
+        # then the view's address plus a constant, not an add per row.
+        order = order_ref.at[pl.ds(base, tile)]
+        rows = [src[pl.ds(order[u], 1), :] for u in range(tile)]
+      else:
+        rows = [src[pl.ds(order_ref[base + u], 1), :] for u in range(tile)]
       out_ref[pl.ds(base, tile), :] = jnp.concatenate(rows, axis=0).astype(out_ref.dtype)
       return carry
 
-    lax.fori_loop(0, group // tile, each, 0, unroll=64 // tile)
+    lax.fori_loop(0, group // tile, each, 0, unroll=GATHER_ROWS_A_TRIP // tile)
 
   return _launch(kernel, a, order, interpret, gather=True, name="pallas_loop_rows_gather")
 
@@ -304,11 +325,16 @@ def _scatter(a: jax.Array, order: jax.Array, interpret: Any) -> jax.Array:
     def each(i, carry):
       base = pl.multiple_of(i * tile, tile)
       rows = a_ref[pl.ds(base, tile), :].astype(dst.dtype)
-      for u in range(tile):
-        dst[pl.ds(order_ref[base + u], 1), :] = rows[u:u + 1]
+      if SMEM_VIEW:
+        order = order_ref.at[pl.ds(base, tile)]
+        for u in range(tile):
+          dst[pl.ds(order[u], 1), :] = rows[u:u + 1]
+      else:
+        for u in range(tile):
+          dst[pl.ds(order_ref[base + u], 1), :] = rows[u:u + 1]
       return carry
 
-    lax.fori_loop(0, group // tile, each, 0, unroll=64 // tile)
+    lax.fori_loop(0, group // tile, each, 0, unroll=SCATTER_ROWS_A_TRIP // tile)
     if wide:
       @pl.when(pl.program_id(0) == pl.num_programs(0) - 1)
       def _():

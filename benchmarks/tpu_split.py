@@ -18,6 +18,9 @@ for the tanh RNN (D=128, bfloat16; `--block` another) inside one `jit` as `gpu_c
                 gathers and put back by the inverse permutation's
                 (`kernel_tpu_rows.KERNELS` False: before those kernels;
                 `grad whole, XLA's row gathers` with `--grad`)
+  whole, row kernels without the order's view  the row kernels reading each
+                row's index at its own offset, 64 rows a loop body
+                (`kernel_tpu_rows.SMEM_VIEW` False: before the view)
   sorted G=.., C=..  the sorted forward with the group kernel's groups per
                 batch (`GROUPS`) or chunk (`LARGEST_CHUNK`) changed
   whole/sorted C=..  (`--chunks`) the forward at other chunk heights
@@ -27,7 +30,9 @@ for the tanh RNN (D=128, bfloat16; `--block` another) inside one `jit` as `gpu_c
   parts: ...    (`--parts`) pieces of the work around the loop, each alone:
                 the sort, the inverse permutation by a sort and by a
                 scatter, the active-rows table by `searchsorted` and by
-                comparing every count with every step; and the forward
+                comparing every count with every step, a rank by counting
+                (`counting_rank`) with and without the table from a
+                histogram (each with only the counts in its chain); and the forward
                 (whole, sorted) with the table searched
                 (`kernel_tpu_groups.COMPARE_ALL_LIMIT` 0), and the batch as one
                 slab (`kernel_tpu_groups.SLABS_FROM_BYTES` out of reach: one

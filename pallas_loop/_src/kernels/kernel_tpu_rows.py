@@ -278,6 +278,16 @@ def _tile(dtype) -> int:
   return 16 if _wide(dtype) else 8
 
 
+def _tile_indices(order_ref, base, tile: int):
+  """index(u) -> the order's entry `base + u` (u static, < `tile`), in a
+  kernel: through one view of the tile's indices (`SMEM_VIEW`), each read the
+  view's address plus a constant, not an add a row; else at its own offset."""
+  if SMEM_VIEW:
+    view = order_ref.at[pl.ds(base, tile)]
+    return lambda u: view[u]
+  return lambda u: order_ref[base + u]
+
+
 def _gather(a: jax.Array, order: jax.Array, interpret: Any) -> jax.Array:
   """out[r] = a[order[r]] for a `movable` array."""
   batch = a.shape[0]
@@ -296,13 +306,8 @@ def _gather(a: jax.Array, order: jax.Array, interpret: Any) -> jax.Array:
 
     def each(i, carry):
       base = pl.multiple_of(i * tile, tile)
-      if SMEM_VIEW:
-        # The tile's indices through one view of the order: each read is
-        # then the view's address plus a constant, not an add per row.
-        order = order_ref.at[pl.ds(base, tile)]
-        rows = [src[pl.ds(order[u], 1), :] for u in range(tile)]
-      else:
-        rows = [src[pl.ds(order_ref[base + u], 1), :] for u in range(tile)]
+      index = _tile_indices(order_ref, base, tile)
+      rows = [src[pl.ds(index(u), 1), :] for u in range(tile)]
       out_ref[pl.ds(base, tile), :] = jnp.concatenate(rows, axis=0).astype(out_ref.dtype)
       return carry
 
@@ -325,13 +330,9 @@ def _scatter(a: jax.Array, order: jax.Array, interpret: Any) -> jax.Array:
     def each(i, carry):
       base = pl.multiple_of(i * tile, tile)
       rows = a_ref[pl.ds(base, tile), :].astype(dst.dtype)
-      if SMEM_VIEW:
-        order = order_ref.at[pl.ds(base, tile)]
-        for u in range(tile):
-          dst[pl.ds(order[u], 1), :] = rows[u:u + 1]
-      else:
-        for u in range(tile):
-          dst[pl.ds(order_ref[base + u], 1), :] = rows[u:u + 1]
+      index = _tile_indices(order_ref, base, tile)
+      for u in range(tile):
+        dst[pl.ds(index(u), 1), :] = rows[u:u + 1]
       return carry
 
     lax.fori_loop(0, group // tile, each, 0, unroll=SCATTER_ROWS_A_TRIP // tile)

@@ -1,5 +1,6 @@
 """Test configuration: strict dtype promotion catches silent upcasts; CI's
-share of the slow sweeps; one XLA compilation cache for the run."""
+share of the slow sweeps and its parts of the release tests; one XLA
+compilation cache for the run."""
 
 import hashlib
 import os
@@ -32,6 +33,14 @@ def pytest_addoption(parser):
   group.addoption(
       "--slow-seed", default="", metavar="SEED",
       help="the slow sample's seed (CI: the commit hash); the same seed, the same tests")
+  group.addoption(
+      "--part", default=None, metavar="K/N",
+      help="run only part K of N of the selected tests (quick and slow alike), the parts "
+           "drawn by --part-seed: CI's floor and newest JAX each run one half of the "
+           "release tests, complementary, a different split on each commit")
+  group.addoption(
+      "--part-seed", default="", metavar="SEED",
+      help="the split's seed (CI: the commit hash); the same seed, the same parts")
 
 
 def pytest_configure(config):
@@ -56,22 +65,48 @@ def pytest_unconfigure(config):
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _in_sample(nodeid: str, seed: str, share: float) -> bool:
-  """Whether a test is in the sample: the SHA-256 of (seed, test id) read as
-  a fraction in [0, 1) is below `share`, so every test is drawn as seeds
-  change, and a seed always draws the same tests."""
+def _draw(nodeid: str, seed: str) -> float:
+  """The SHA-256 of (seed, test id) read as a fraction in [0, 1): every test
+  is drawn as seeds change, and a seed always draws the same tests."""
   digest = hashlib.sha256(f"{seed}|{nodeid}".encode()).digest()
-  return int.from_bytes(digest[:8], "big") / 2**64 < share
+  return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def _in_sample(nodeid: str, seed: str, share: float) -> bool:
+  """Whether a test is in the sample of a `share` of the tests."""
+  return _draw(nodeid, seed) < share
+
+
+def _part(text: str) -> tuple[int, int]:
+  """(K, N) from "K/N", 1 <= K <= N."""
+  try:
+    k, n = (int(v) for v in text.split("/"))
+  except ValueError:
+    raise pytest.UsageError(f"--part {text!r}: expected K/N, e.g. 1/2") from None
+  if not 1 <= k <= n:
+    raise pytest.UsageError(f"--part {text!r}: K must be in 1..N")
+  return k, n
+
+
+def _in_part(nodeid: str, seed: str, k: int, n: int) -> bool:
+  """Whether a test is in part k of n: the parts split [0, 1) evenly, so for
+  one seed they are disjoint and together hold every test."""
+  return (k - 1) / n <= _draw(nodeid, seed) < k / n
 
 
 def pytest_collection_modifyitems(config, items):
   share = config.getoption("--slow-share")
-  if share is None:
+  part = config.getoption("--part")
+  if share is None and part is None:
     return
   seed = config.getoption("--slow-seed")
+  k, n = _part(part) if part is not None else (1, 1)
+  part_seed = config.getoption("--part-seed")
   keep, drop = [], []
   for item in items:
-    sampled = item.get_closest_marker("slow") is None or _in_sample(item.nodeid, seed, share)
+    sampled = (share is None or item.get_closest_marker("slow") is None
+               or _in_sample(item.nodeid, seed, share))
+    sampled = sampled and (n == 1 or _in_part(item.nodeid, part_seed, k, n))
     (keep if sampled else drop).append(item)
   if drop:
     config.hook.pytest_deselected(items=drop)
@@ -79,12 +114,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
+  lines = []
   share = config.getoption("--slow-share")
-  if share is None:
-    return None
-  seed = config.getoption("--slow-seed")
-  return (f"slow tests: a {share:g} share, seed {seed!r} "
-          f"(pytest -m slow --slow-share {share:g} --slow-seed {seed} draws them again)")
+  if share is not None:
+    seed = config.getoption("--slow-seed")
+    lines.append(f"slow tests: a {share:g} share, seed {seed!r} "
+                 f"(pytest -m slow --slow-share {share:g} --slow-seed {seed} draws them again)")
+  part = config.getoption("--part")
+  if part is not None:
+    seed = config.getoption("--part-seed")
+    lines.append(f"tests: part {part}, seed {seed!r} (--part {part} --part-seed {seed} "
+                 "draws it again)")
+  return lines or None
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,15 @@ solves from the same start), per application:
   grad Implicit, caller's order  the adjoint solved with the rows in the
                        caller's order (`grad_modes.ADJOINT_IN_STEP_ORDER`
                        False), not in the order of their forward steps
+  adjoint tol          `Implicit`'s adjoint loop alone, as an `iterate` call:
+                       u <- g + u df/dh(h*) from u = g (g = ones, the cotangent
+                       of the output's sum), at the forward's fixed point h*,
+                       halting at rms(update) <= Implicit's tol, every row's
+                       budget T, the rows in the caller's order
+  adjoint at its steps the same loop, each row given the steps it halted at
+                       as its count, no tolerance: what compaction of the
+                       halted rows could bring the adjoint towards
+                       (its ns_per_row_step counts the adjoint's steps)
 
 Each line: case, variant, ms, ns_per_row_step (per useful row-step: the steps
 the rows halted at), chain, floor_ms; the first line of a case gives the halting
@@ -121,10 +130,46 @@ def _case(args, order: str, write) -> None:
   variants["grad Implicit, caller's order"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
       grad_modes, {"ADJOINT_IN_STEP_ORDER": False}, variants["grad Implicit"], h, r)
   inputs = {"x": x, "steps": jnp.asarray(steps)}
+  record = {"what": "deq_split", "case": label, "precision": args.precision}
   device_timing.time_variants(variants, h0, inputs, useful=useful, floor=floor,
-                              repeats=args.repeats, write=write, only=args.only,
-                              record={"what": "deq_split", "case": label,
-                                      "precision": args.precision})
+                              repeats=args.repeats, write=write, only=args.only, record=record)
+  _adjoint_variants(args, step, params, h0, x, budget, fixed_point["Implicit"].tol, floor,
+                    write, record)
+
+
+def _adjoint_variants(args, step, params, h0, x, budget, tol, floor, write, record) -> None:
+  """`adjoint tol` and `adjoint at its steps` (the module's docstring),
+  timed per useful adjoint row-step."""
+  import pallas_loop  # pylint: disable=g-import-not-at-top
+  from pallas_loop._src import implicit_adjoint  # pylint: disable=g-import-not-at-top
+
+  if args.only and not any(name.startswith(prefix) for prefix in args.only
+                           for name in ("adjoint tol", "adjoint at its steps")):
+    return
+  kw = dict(max_iters=args.max_iters)
+  h_star = jax.jit(lambda p, h, x_: pallas_loop.iterate(
+      step, p, h, x_, iters=budget, tol=args.tol, **kw))(params, h0, x)
+  adjoint = implicit_adjoint.adjoint_step(step)
+  g = jnp.ones_like(h_star)
+  _, info = jax.jit(lambda p, u, rows: pallas_loop.iterate(
+      adjoint, p, u, rows, iters=budget, tol=tol, return_info=True, **kw))(
+          params, g, (h_star, x, g))
+  steps = np.asarray(info.steps)
+  write({**record, "adjoint_steps_mean": float(steps.mean()),
+         "adjoint_steps_max": int(steps.max()), "adjoint_steps_min": int(steps.min())})
+  # u starts at g; `0 * h` keeps each application chained to the last.
+  start = lambda h: g + 0 * h
+  keep = lambda h, out: device_timing.folded_gradient(h, out, ())
+  variants = {
+      "adjoint tol": lambda h, r: keep(h, pallas_loop.iterate(
+          adjoint, params, start(h), (r["h_star"], r["x"], g), iters=budget, tol=tol, **kw)),
+      "adjoint at its steps": lambda h, r: keep(h, pallas_loop.iterate(
+          adjoint, params, start(h), (r["h_star"], r["x"], g), iters=r["steps"], **kw)),
+  }
+  device_timing.time_variants(variants, h0, {"x": x, "h_star": h_star,
+                                             "steps": jnp.asarray(steps)},
+                              useful=int(steps.sum()), floor=floor, repeats=args.repeats,
+                              write=write, only=args.only, record=record)
 
 
 if __name__ == "__main__":

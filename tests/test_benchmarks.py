@@ -332,10 +332,14 @@ def test_deq_split_runs_every_variant(tmp_path):
                          "--chunks", "32", "--order", "ordered,shuffled",
                          "--out", str(out)]) == 0
   lines = [json.loads(line) for line in out.read_text().splitlines()]
-  cases = [r for r in lines if "variant" not in r]
+  cases = [r for r in lines if "steps_min" in r]
   assert len(cases) == 2 and all(1 <= r["steps_min"] <= r["steps_max"] <= 16 for r in cases)
+  adjoints = [r for r in lines if "adjoint_steps_min" in r]
+  assert len(adjoints) == 2 and all(
+      0 <= r["adjoint_steps_min"] <= r["adjoint_steps_max"] <= 16 for r in adjoints)
   timed = [r for r in lines if "variant" in r]
   assert timed and all("error" not in r and r["ms"] > 0 for r in timed), timed
   assert {"forward tol", "forward at its steps", "forward tol C=32", "grad Full",
           "grad Implicit", "grad Phantom(4)", "grad Implicit C=32",
-          "grad Implicit, caller's order"} <= {r["variant"] for r in timed}
+          "grad Implicit, caller's order", "adjoint tol",
+          "adjoint at its steps"} <= {r["variant"] for r in timed}

@@ -89,7 +89,7 @@ def _case(args, order: str, write) -> None:
   label = f"deq B={batch} D={args.d} T={t_max} tol={tol} {order}"
   budget = jnp.full((batch,), t_max, jnp.int32)  # as grad_modes gives it
   kw = dict(max_iters=t_max)
-  _, info = jax.jit(lambda p, h, x_: pallas_loop.iterate(
+  h_star, info = jax.jit(lambda p, h, x_: pallas_loop.iterate(
       step, p, h, x_, iters=budget, tol=tol, return_info=True, **kw))(params, h0, x)
   steps = np.asarray(info.steps)
   useful = int(steps.sum())
@@ -133,13 +133,14 @@ def _case(args, order: str, write) -> None:
   record = {"what": "deq_split", "case": label, "precision": args.precision}
   device_timing.time_variants(variants, h0, inputs, useful=useful, floor=floor,
                               repeats=args.repeats, write=write, only=args.only, record=record)
-  _adjoint_variants(args, step, params, h0, x, budget, fixed_point["Implicit"].tol, floor,
-                    write, record)
+  _adjoint_variants(args, step, params, h0, x, h_star, budget, fixed_point["Implicit"].tol,
+                    floor, write, record)
 
 
-def _adjoint_variants(args, step, params, h0, x, budget, tol, floor, write, record) -> None:
-  """`adjoint tol` and `adjoint at its steps` (the module's docstring),
-  timed per useful adjoint row-step."""
+def _adjoint_variants(args, step, params, h0, x, h_star, budget, tol, floor, write,
+                      record) -> None:
+  """`adjoint tol` and `adjoint at its steps` (the module's docstring), at
+  the forward's fixed point `h_star`, timed per useful adjoint row-step."""
   import pallas_loop  # pylint: disable=g-import-not-at-top
   from pallas_loop._src import implicit_adjoint  # pylint: disable=g-import-not-at-top
 
@@ -147,8 +148,6 @@ def _adjoint_variants(args, step, params, h0, x, budget, tol, floor, write, reco
                            for name in ("adjoint tol", "adjoint at its steps")):
     return
   kw = dict(max_iters=args.max_iters)
-  h_star = jax.jit(lambda p, h, x_: pallas_loop.iterate(
-      step, p, h, x_, iters=budget, tol=args.tol, **kw))(params, h0, x)
   adjoint = implicit_adjoint.adjoint_step(step)
   g = jnp.ones_like(h_star)
   _, info = jax.jit(lambda p, u, rows: pallas_loop.iterate(

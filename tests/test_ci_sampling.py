@@ -1,5 +1,5 @@
-"""The test samples CI draws (tests/conftest.py): a share of the slow sweeps,
-and the release tests split into parts between the floor and the newest JAX."""
+"""The parts CI splits the release tests into (tests/conftest.py, `--part`),
+one for the floor and one for the newest JAX."""
 
 import pytest
 

@@ -19,6 +19,10 @@ solves from the same start), per application:
                        (rows sorted by them, nothing tracked)
   grad Full/Implicit/Phantom(4)  `jax.grad` of the output's sum w.r.t.
                        (params, h0, x), as `grad_modes` times it
+  ..., whole chunks    `forward tol`, `grad Implicit`, `grad Phantom(4)` and
+                       `adjoint tol` with every chunk that holds a running
+                       row run whole (`kernel_tpu_groups.WINDOW` False), not
+                       cut after the last row still running
   grad Implicit, caller's order  the adjoint solved with the rows in the
                        caller's order (`grad_modes.ADJOINT_IN_STEP_ORDER`
                        False), not in the order of their forward steps
@@ -129,6 +133,8 @@ def _case(args, order: str, write) -> None:
       variants[f"grad {name} C={chunk}"] = grad(mode, options=options)
   variants["grad Implicit, caller's order"] = lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
       grad_modes, {"ADJOINT_IN_STEP_ORDER": False}, variants["grad Implicit"], h, r)
+  for name in ("forward tol", "grad Implicit", "grad Phantom(4)"):
+    variants[f"{name}, whole chunks"] = _whole_chunks(variants[name])
   inputs = {"x": x, "steps": jnp.asarray(steps)}
   record = {"what": "deq_split", "case": label, "precision": args.precision}
   device_timing.time_variants(variants, h0, inputs, useful=useful, floor=floor,
@@ -145,7 +151,8 @@ def _adjoint_variants(args, step, params, h0, x, h_star, budget, tol, floor, wri
   from pallas_loop._src import implicit_adjoint  # pylint: disable=g-import-not-at-top
 
   if args.only and not any(name.startswith(prefix) for prefix in args.only
-                           for name in ("adjoint tol", "adjoint at its steps")):
+                           for name in ("adjoint tol", "adjoint at its steps",
+                                        "adjoint tol, whole chunks")):
     return
   kw = dict(max_iters=args.max_iters)
   adjoint = implicit_adjoint.adjoint_step(step)
@@ -165,10 +172,19 @@ def _adjoint_variants(args, step, params, h0, x, h_star, budget, tol, floor, wri
       "adjoint at its steps": lambda h, r: keep(h, pallas_loop.iterate(
           adjoint, params, start(h), (r["h_star"], r["x"], g), iters=r["steps"], **kw)),
   }
+  variants["adjoint tol, whole chunks"] = _whole_chunks(variants["adjoint tol"])
   device_timing.time_variants(variants, h0, {"x": x, "h_star": h_star,
                                              "steps": jnp.asarray(steps)},
                               useful=int(steps.sum()), floor=floor, repeats=args.repeats,
                               write=write, only=args.only, record=record)
+
+
+def _whole_chunks(variant):
+  """`variant` traced with `kernel_tpu_groups.WINDOW` False."""
+  from pallas_loop._src.kernels import kernel_tpu_groups  # pylint: disable=g-import-not-at-top
+
+  return lambda h, r: tpu_design._traced_with(  # pylint: disable=protected-access
+      kernel_tpu_groups, {"WINDOW": False}, variant, h, r)
 
 
 if __name__ == "__main__":

@@ -342,4 +342,6 @@ def test_deq_split_runs_every_variant(tmp_path):
   assert {"forward tol", "forward at its steps", "forward tol C=32", "grad Full",
           "grad Implicit", "grad Phantom(4)", "grad Implicit C=32",
           "grad Implicit, caller's order", "adjoint tol",
-          "adjoint at its steps"} <= {r["variant"] for r in timed}
+          "adjoint at its steps", "forward tol, whole chunks", "grad Implicit, whole chunks",
+          "grad Phantom(4), whole chunks",
+          "adjoint tol, whole chunks"} <= {r["variant"] for r in timed}

@@ -92,6 +92,29 @@ def test_tol_halting(min_iters):
   np.testing.assert_allclose(info.residual, ref_info.residual, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("order", ["first_rows_stop_last", "first_rows_stop_first"])
+def test_tol_halting_runs_the_prefix_up_to_the_last_running_row(monkeypatch, order):
+  # The tracked loop cuts each step's prefix after the last row still
+  # running: rows that stop in the order they lie (the first rows last, as
+  # the implicit adjoint sorts them) run on a prefix that shrinks to the
+  # pieces' heights (8- and 16-row pieces of 32-row chunks here); rows that
+  # stop the other way keep it whole. Both as the reference.
+  monkeypatch.setattr(kernel_tpu_groups, "SMALLEST_PIECE", 8)
+  step, params, h0, x = blocks.make("deq", 150, 16)
+  if order == "first_rows_stop_first":  # `blocks.deq`'s input scale grows along the
+    x = x[::-1]                           # rows, and its rows' steps fall: reversed
+  kw = dict(max_iters=40, tol=1e-4)
+  (got, info), plans = _run(step, params, h0, x, block_rows=32, return_info=True, **kw)
+  assert [rows for rows, _ in plans[0].pieces] == [16, 8]
+  want, ref_info = reference.iterate(step, params, h0, x, return_info=True, **kw)
+  oracle.assert_trees_close(got, want)
+  np.testing.assert_array_equal(info.steps, ref_info.steps)
+  np.testing.assert_array_equal(info.halted, ref_info.halted)
+  steps = np.asarray(info.steps)
+  assert np.all(info.halted) and steps.min() < steps.max()
+  np.testing.assert_allclose(info.residual, ref_info.residual, rtol=1e-4, atol=1e-6)
+
+
 def test_custom_halt_with_counts():
   step, params, h0, x = blocks.make("tanh_rnn", 50, 16)
   halt = lambda p, h_new, h, x: jnp.mean(h_new, axis=1) > 0.05

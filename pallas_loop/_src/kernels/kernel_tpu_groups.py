@@ -87,6 +87,11 @@ CHUNKS_PER_GROUP = 4
 # for 2048. A piece under this many rows saves too little (~60 ns at 256 rows
 # against 512) to be worth the step compiled at one more shape.
 SMALLEST_PIECE = 256
+# A loop that tracks its rows (halting, a returned residual) cuts each step's
+# prefix after the last row still running (`_kernel`'s `tracked_step`); False
+# runs every chunk that holds a running row whole, as before (what
+# `benchmarks.deq_split` times it against).
+WINDOW = True
 # The active-rows table (`active_rows`) compares every count with every step
 # up to this many comparisons (B=32768 at T=512), else searches.
 COMPARE_ALL_LIMIT = 1 << 24
@@ -581,6 +586,7 @@ class _Scratch(NamedTuple):
   """The kernel's scratch (None unless `track`)."""
 
   alive: Any     # SMEM int32 [G / C]: 1 while a chunk has a running row
+  window: Any    # SMEM int32 [1]: 1 + the group's last row still running (0: none)
 
 
 # How each group is blocked (`launch`).
@@ -602,7 +608,7 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
   halting = tree_util.tree_map(lambda r: r[...], ins.halting)
   if track:
     residual_ref, steps_ref, halted_ref = outs.residual, outs.steps, outs.halted
-    alive_ref = scratch.alive
+    alive_ref, window_ref = scratch.alive, scratch.window
 
   g = pl.program_id(0)
   chunk = plan.chunk_rows
@@ -619,6 +625,7 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
     halted_ref[...] = jnp.zeros(halted_ref.shape, halted_ref.dtype)
     for c in range(plan.group_rows // chunk):
       alive_ref[c] = 1
+    window_ref[0] = plan.group_rows
 
   chunks, traced_at = plan.chunks(), plan.traced_at()
 
@@ -645,42 +652,52 @@ def _kernel(active_ref, trips_ref, ins: _Ins, outs: _Outs, scratch: _Scratch, *,
     chunks.over_prefix(active_ref[g, t], body)
 
   def tracked_step(t):
-    # Every chunk of the prefix that still has a running row: the rows
-    # apply the step where their count allows and no criterion stopped
-    # them; returns 1 if a row runs at the next step.
-    n = active_ref[g, t]
+    # The chunks of the prefix that may hold a running row: the rows running
+    # by count (`active`), cut after the last row no criterion had stopped at
+    # the step before (`window_ref`). Each chunk that still has a running
+    # row applies the step where a row's count allows and no criterion
+    # stopped it; the partial chunk at the end runs at the pieces' heights,
+    # as the untracked step's does. Rows that stop in the order they lie
+    # (the implicit adjoint's, sorted by the steps the forward took) so run
+    # on a prefix that shrinks as they stop, not on whole chunks until the
+    # chunk's slowest row stops. Returns the next step's cut (0: none runs).
+    n = jnp.minimum(active_ref[g, t], window_ref[0]) if WINDOW else active_ref[g, t]
     n_next = active_ref[g, jnp.minimum(t + 1, active_ref.shape[1] - 1)]
     n_next = jnp.where(t + 1 < active_ref.shape[1], n_next, 0)
+    window_ref[0] = 0
 
-    def body(c, alive_next):
-      start = c * chunk
-      rows = chunks.at(start)
+    def body(rows, mask):
+      del mask  # `running` masks the rows past the prefix, and the stopped ones
+      start, height = rows.start, rows.size
+      c = start // chunk if isinstance(start, int) else lax.div(start, jnp.int32(chunk))
 
       @pl.when(alive_ref[c] > 0)
       def _():
         h, h_new, flag = evaluate(t, rows)
         s = loop_lib.LoopState(h, residual_ref[rows], steps_ref[rows], halted_ref[rows])
-        running = chunks.below(n - start) & (s.halted == 0)
+        running = chunks.below(n - start, height) & (s.halted == 0)
         s = loop_lib.apply_update(s, running, t, h_new, flag, halting, elems_per_row, residual)
         store(rows, s.h)
         residual_ref[rows] = s.residual
         steps_ref[rows] = s.steps
         halted_ref[rows] = s.halted
-        alive_ref[c] = jnp.max(
-            (chunks.below(n_next - start) & (s.halted == 0)).astype(jnp.int32))
+        alive = chunks.below(n_next - start, height) & (s.halted == 0)
+        # 1 + the chunk's last row that runs at the next step (0: none).
+        last = jnp.max(jnp.where(alive, lax.broadcasted_iota(jnp.int32, alive.shape, 0) + 1, 0))
+        alive_ref[c] = (last > 0).astype(jnp.int32)
+        window_ref[0] = jnp.maximum(window_ref[0], jnp.where(last > 0, start + last, 0))
 
-      return jnp.maximum(alive_next, alive_ref[c])
-
-    return lax.fori_loop(0, (n + chunk - 1) // chunk, body, jnp.int32(0))
+    chunks.over_prefix(n, body)
+    return window_ref[0]
 
   trips = trips_ref[g]
   if track:
     def cond(carry):
-      t, alive = carry
-      return (t < trips) & (alive > 0)
+      t, window = carry
+      return (t < trips) & (window > 0)
 
     lax.while_loop(cond, lambda carry: (carry[0] + 1, tracked_step(carry[0])),
-                   (jnp.int32(0), jnp.int32(1)))
+                   (jnp.int32(0), jnp.int32(plan.group_rows)))
   else:
     def step(t, carry):
       untracked_step(t)
@@ -794,7 +811,8 @@ def _run_rows(p: GroupPlan, ops: LoopOperands, *, residual: bool,
       residual=column(jnp.float32) if track else None,
       steps=column(jnp.int32) if track else None,
       halted=column(jnp.int32) if track else None)
-  scratch = _Scratch(alive=pltpu.SMEM((group // p.chunk_rows,), jnp.int32) if track else None)
+  scratch = _Scratch(alive=pltpu.SMEM((group // p.chunk_rows,), jnp.int32) if track else None,
+                     window=pltpu.SMEM((1,), jnp.int32) if track else None)
   body = functools.partial(_kernel, plan=p, elems_per_row=loop_lib.elems_per_row(ops.h0),
                            track=track, residual=residual)
 

@@ -24,9 +24,10 @@ it. Without halting and
 without a returned residual nothing per row is tracked in the loop (each
 row's steps are its count). With them, the per-row columns (residual, steps,
 halted: [G, 1]) live in output blocks, `loop.apply_update` (the rule every
-implementation shares) applies each step, a chunk whose rows have all
-stopped is skipped (a flag per chunk in SMEM), and the loop ends when no row
-of the group runs.
+implementation shares) applies each step, each step's prefix is cut after
+the last row still running (its chunk run at the pieces' heights), a chunk
+whose rows have all stopped is skipped (a flag per chunk in SMEM), and the
+loop ends when no row of the group runs.
 
 Pallas' pipeline double-buffers the group blocks: while group g runs, the
 rows of group g + 1 stream in and those of group g - 1 out, so a batch that
@@ -90,7 +91,10 @@ SMALLEST_PIECE = 256
 # A loop that tracks its rows (halting, a returned residual) cuts each step's
 # prefix after the last row still running (`_kernel`'s `tracked_step`); False
 # runs every chunk that holds a running row whole, as before (what
-# `benchmarks.deq_split` times it against).
+# `benchmarks.deq_split` times it against). On a TPU v5e, B=4096, the DEQ's
+# `Implicit` gradient took 0.728 ms against 0.801 with its rows in order,
+# 0.835 against 0.883 shuffled (RESULTS.md, "Each step's prefix cut after the
+# last running row").
 WINDOW = True
 # The active-rows table (`active_rows`) compares every count with every step
 # up to this many comparisons (B=32768 at T=512), else searches.

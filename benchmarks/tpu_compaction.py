@@ -17,7 +17,13 @@ them):
                 DMA, where the core's scalar unit can read them
   partition     + a scalar loop over the rows swapping each running row with
                 the first stopped one (the state's rows, the column's, and a
-                permutation in SMEM that records where each row went)
+                permutation in SMEM that records where each row went): a
+                branch a row
+  scatter       + no branch: each row stored into a second buffer, a running
+                row at the front (the next free slot), a stopped one at the
+                back (from the end), the slot picked by a scalar select; the
+                loop's body unrolled over `UNROLL` rows; the buffer copied
+                back
 
 for a share of running rows (`--running`). Each line: variant, running, ms
 per application, ns per row of the group, chain, floor_ms; timed inside one
@@ -45,14 +51,17 @@ import numpy as np
 
 from benchmarks import device_timing
 
-VARIANTS = ("copy", "flags", "partition")
+VARIANTS = ("copy", "flags", "partition", "scatter")
+# Rows a trip of the scatter's loop handles (its body unrolled).
+UNROLL = 16
 
 
 def _kernel(h_ref, col_ref, flag_ref, h_out, col_out, perm_out, dense_ref, flags_smem,
-            perm_ref, sem, *, rows: int, variant: str):
-  """h_ref, h_out: f32 [G, 128]; col_ref, col_out, flag_ref: i32 [G, 1];
-  perm_out: SMEM i32 [G] (slot -> the row it holds); dense_ref: i32 [G/128, 128]
-  (VMEM); flags_smem: SMEM i32 [G/128, 128]; perm_ref: SMEM i32 [G]."""
+            perm_ref, h_buf, col_buf, perm_buf, sem, *, rows: int, variant: str):
+  """h_ref, h_out, h_buf: f32 [G, 128]; col_ref, col_out, col_buf, flag_ref:
+  i32 [G, 1]; perm_out: SMEM i32 [G] (slot -> the row it holds); dense_ref:
+  i32 [G/128, 128] (VMEM); flags_smem: SMEM i32 [G/128, 128]; perm_ref,
+  perm_buf: SMEM i32 [G]."""
   h_out[...] = h_ref[...]
   col_out[...] = col_ref[...]
 
@@ -60,7 +69,7 @@ def _kernel(h_ref, col_ref, flag_ref, h_out, col_out, perm_out, dense_ref, flags
     perm_ref[i] = i
     return carry
 
-  lax.fori_loop(0, rows, identity, 0)
+  lax.fori_loop(0, rows, identity, 0, unroll=UNROLL)
   if variant != "copy":
     # Row r of the group is lane r % 128 of dense row r // 128: a [128, 1]
     # column broadcast along lanes and transposed puts it on lanes.
@@ -88,12 +97,31 @@ def _kernel(h_ref, col_ref, flag_ref, h_out, col_out, perm_out, dense_ref, flags
       return k + jnp.where(running > 0, 1, 0)
 
     lax.fori_loop(0, rows, swap, jnp.int32(0))
+  if variant == "scatter":
+    def place(j, free):
+      front, back = free
+      running = flags_smem[j // 128, j % 128]
+      slot = jnp.where(running > 0, front, back)
+      h_buf[pl.ds(slot, 1), :] = h_out[pl.ds(j, 1), :]
+      col_buf[pl.ds(slot, 1), :] = col_out[pl.ds(j, 1), :]
+      perm_buf[slot] = perm_ref[j]
+      return front + running, back - 1 + running
+
+    lax.fori_loop(0, rows, place, (jnp.int32(0), jnp.int32(rows - 1)), unroll=UNROLL)
+    h_out[...] = h_buf[...]
+    col_out[...] = col_buf[...]
+
+    def back(i, carry):
+      perm_ref[i] = perm_buf[i]
+      return carry
+
+    lax.fori_loop(0, rows, back, 0, unroll=UNROLL)
 
   def out(i, carry):
     perm_out[i] = perm_ref[i]
     return carry
 
-  lax.fori_loop(0, rows, out, 0)
+  lax.fori_loop(0, rows, out, 0, unroll=UNROLL)
 
 
 def compact(h: jax.Array, col: jax.Array, flags: jax.Array, *, variant: str,
@@ -104,12 +132,13 @@ def compact(h: jax.Array, col: jax.Array, flags: jax.Array, *, variant: str,
     h: float32 [G, 128], G a multiple of 128.
     col: int32 [G, 1].
     flags: int32 [G, 1], 1 where a row still runs.
-    variant: "copy", "flags" or "partition".
+    variant: one of `VARIANTS`.
     interpret: Pallas' `interpret=`.
 
   Returns:
-    For "partition", the running rows first in their order, the stopped
-    ones after, and perm with h_out = h[perm]; else h, col and the identity.
+    (h[perm], col[perm], perm): for "partition" and "scatter" the running
+    rows first in their order and the stopped ones after (`expected`); else
+    perm is the identity.
   """
   rows = h.shape[0]
   whole = lambda shape: pl.BlockSpec(shape, lambda: (0,) * len(shape))
@@ -121,6 +150,8 @@ def compact(h: jax.Array, col: jax.Array, flags: jax.Array, *, variant: str,
       out_specs=(whole(h.shape), whole(col.shape), pl.BlockSpec(memory_space=pltpu.SMEM)),
       scratch_shapes=[pltpu.VMEM((rows // 128, 128), jnp.int32),
                       pltpu.SMEM((rows // 128, 128), jnp.int32),
+                      pltpu.SMEM((rows,), jnp.int32),
+                      pltpu.VMEM(h.shape, h.dtype), pltpu.VMEM(col.shape, col.dtype),
                       pltpu.SMEM((rows,), jnp.int32), pltpu.SemaphoreType.DMA(())],
       interpret=interpret,
       name=f"compaction_{variant}")(h, col, flags)
@@ -128,6 +159,10 @@ def compact(h: jax.Array, col: jax.Array, flags: jax.Array, *, variant: str,
 
 def expected(h: np.ndarray, col: np.ndarray, flags: np.ndarray, variant: str):
   """numpy's (state, column, permutation) for `compact`."""
+  if variant == "scatter":  # the stopped rows from the end, last first
+    f = flags[:, 0] > 0
+    perm = np.concatenate([np.flatnonzero(f), np.flatnonzero(~f)[::-1]])
+    return h[perm], col[perm], perm
   if variant != "partition":
     return h, col, np.arange(h.shape[0])
   perm = np.arange(h.shape[0])

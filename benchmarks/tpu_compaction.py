@@ -24,6 +24,12 @@ them):
                 back (from the end), the slot picked by a scalar select; the
                 loop's body unrolled over `UNROLL` rows; the buffer copied
                 back
+  ranked        each row's slot computed on the vector unit instead (running
+                rows: how many running rows precede it; stopped ones: after
+                all running rows, in their order), as prefix sums by products
+                with a triangle of ones on the matrix unit, copied to SMEM
+                with the flags; then the scatter's loop with no dependence
+                from one row to the next (`buf[slot[j]] = h[j]`)
 
 for a share of running rows (`--running`). Each line: variant, running, ms
 per application, ns per row of the group, chain, floor_ms; timed inside one
@@ -51,9 +57,34 @@ import numpy as np
 
 from benchmarks import device_timing
 
-VARIANTS = ("copy", "flags", "partition", "scatter")
+VARIANTS = ("copy", "flags", "partition", "scatter", "ranked")
 # Rows a trip of the scatter's loop handles (its body unrolled).
 UNROLL = 16
+
+
+def _slots(dense: jax.Array) -> jax.Array:
+  """int32 [R, 128]: each row's slot after a stable partition, running rows
+  first (row r of the group at [r // 128, r % 128]; `dense` its 0/1 flags).
+
+  Prefix sums as products with triangles of ones (bfloat16 0/1 and counts of
+  at most 128 are exact; float32 accumulation is exact below 2**24)."""
+  r = dense.shape[0]
+  flags = dense.astype(jnp.bfloat16)
+  lane_i = lax.broadcasted_iota(jnp.int32, (128, 128), 0)
+  lane_j = lax.broadcasted_iota(jnp.int32, (128, 128), 1)
+  upper = (lane_i <= lane_j).astype(jnp.bfloat16)  # [128, 128]: i <= j
+  within = jnp.dot(flags, upper, preferred_element_type=jnp.float32)  # inclusive, per dense row
+  totals = within[:, 127:128]  # [R, 1]
+  row_i = lax.broadcasted_iota(jnp.int32, (r, r), 0)
+  row_j = lax.broadcasted_iota(jnp.int32, (r, r), 1)
+  lower = (row_j < row_i).astype(jnp.bfloat16)  # [R, R]: the rows before
+  before = jnp.dot(lower, jnp.broadcast_to(totals, (r, 128)).astype(jnp.bfloat16),
+                   preferred_element_type=jnp.float32)  # [R, 128], every lane alike
+  running_before = (within + before).astype(jnp.int32) - dense  # exclusive
+  n_running = jnp.sum(totals).astype(jnp.int32)
+  index = (lax.broadcasted_iota(jnp.int32, (r, 128), 0) * 128
+           + lax.broadcasted_iota(jnp.int32, (r, 128), 1))
+  return jnp.where(dense > 0, running_before, n_running + index - running_before)
 
 
 def _kernel(h_ref, col_ref, flag_ref, h_out, col_out, perm_out, dense_ref, flags_smem,
@@ -77,6 +108,8 @@ def _kernel(h_ref, col_ref, flag_ref, h_out, col_out, perm_out, dense_ref, flags
       column = flag_ref[pl.ds(i * 128, 128), :].astype(jnp.float32)  # [128, 1]
       wide = jnp.broadcast_to(column, (128, 128))
       dense_ref[pl.ds(i, 1), :] = wide.T[0:1, :].astype(jnp.int32)
+    if variant == "ranked":  # the slots travel to SMEM instead of the flags
+      dense_ref[...] = _slots(dense_ref[...])
     copy = pltpu.make_async_copy(dense_ref, flags_smem, sem)
     copy.start()
     copy.wait()
@@ -108,6 +141,16 @@ def _kernel(h_ref, col_ref, flag_ref, h_out, col_out, perm_out, dense_ref, flags
       return front + running, back - 1 + running
 
     lax.fori_loop(0, rows, place, (jnp.int32(0), jnp.int32(rows - 1)), unroll=UNROLL)
+  if variant == "ranked":
+    def put(j, carry):
+      slot = flags_smem[j // 128, j % 128]
+      h_buf[pl.ds(slot, 1), :] = h_out[pl.ds(j, 1), :]
+      col_buf[pl.ds(slot, 1), :] = col_out[pl.ds(j, 1), :]
+      perm_buf[slot] = perm_ref[j]
+      return carry
+
+    lax.fori_loop(0, rows, put, 0, unroll=UNROLL)
+  if variant in ("scatter", "ranked"):
     h_out[...] = h_buf[...]
     col_out[...] = col_buf[...]
 
@@ -159,9 +202,10 @@ def compact(h: jax.Array, col: jax.Array, flags: jax.Array, *, variant: str,
 
 def expected(h: np.ndarray, col: np.ndarray, flags: np.ndarray, variant: str):
   """numpy's (state, column, permutation) for `compact`."""
-  if variant == "scatter":  # the stopped rows from the end, last first
+  if variant in ("scatter", "ranked"):  # scatter: the stopped rows from the end, last first
     f = flags[:, 0] > 0
-    perm = np.concatenate([np.flatnonzero(f), np.flatnonzero(~f)[::-1]])
+    stopped = np.flatnonzero(~f)
+    perm = np.concatenate([np.flatnonzero(f), stopped[::-1] if variant == "scatter" else stopped])
     return h[perm], col[perm], perm
   if variant != "partition":
     return h, col, np.arange(h.shape[0])

@@ -345,3 +345,16 @@ def test_deq_split_runs_every_variant(tmp_path):
           "adjoint at its steps", "forward tol, whole chunks", "grad Implicit, whole chunks",
           "grad Phantom(4), whole chunks",
           "adjoint tol, whole chunks"} <= {r["variant"] for r in timed}
+
+
+@pytest.mark.slow  # a TPU diagnostic's interpreted scalar loops (15 kernels, 40 s)
+def test_tpu_compaction_moves_rows_as_numpy_does(tmp_path):
+  # `tpu_compaction`'s kernels in interpret mode: every variant's state,
+  # column and permutation equal numpy's, with no row running, some, and all.
+  from benchmarks import tpu_compaction  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "compaction.jsonl"
+  assert tpu_compaction.main(["--rows", "256", "--running", "0.0,0.3,1.0",
+                              "--out", str(out)]) == 0
+  lines = [json.loads(line) for line in out.read_text().splitlines()]
+  assert len(lines) == 3 * len(tpu_compaction.VARIANTS)
+  assert all(r.get("checked") and not r.get("mismatch") for r in lines), lines

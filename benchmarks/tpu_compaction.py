@@ -30,6 +30,10 @@ them):
                 with a triangle of ones on the matrix unit, copied to SMEM
                 with the flags; then the scatter's loop with no dependence
                 from one row to the next (`buf[slot[j]] = h[j]`)
+  ranked rows   `ranked` with no scalar stored in the loop: only the state's
+                and the column's rows move (the column, holding each row's
+                index, records where the rows went); the SMEM permutation
+                stays the identity
 
 for a share of running rows (`--running`). Each line: variant, running, ms
 per application, ns per row of the group, chain, floor_ms; timed inside one
@@ -57,7 +61,7 @@ import numpy as np
 
 from benchmarks import device_timing
 
-VARIANTS = ("copy", "flags", "partition", "scatter", "ranked")
+VARIANTS = ("copy", "flags", "partition", "scatter", "ranked", "ranked rows")
 # Rows a trip of the scatter's loop handles (its body unrolled).
 UNROLL = 16
 
@@ -108,7 +112,7 @@ def _kernel(h_ref, col_ref, flag_ref, h_out, col_out, perm_out, dense_ref, flags
       column = flag_ref[pl.ds(i * 128, 128), :].astype(jnp.float32)  # [128, 1]
       wide = jnp.broadcast_to(column, (128, 128))
       dense_ref[pl.ds(i, 1), :] = wide.T[0:1, :].astype(jnp.int32)
-    if variant == "ranked":  # the slots travel to SMEM instead of the flags
+    if variant.startswith("ranked"):  # the slots travel to SMEM instead of the flags
       dense_ref[...] = _slots(dense_ref[...])
     copy = pltpu.make_async_copy(dense_ref, flags_smem, sem)
     copy.start()
@@ -141,19 +145,20 @@ def _kernel(h_ref, col_ref, flag_ref, h_out, col_out, perm_out, dense_ref, flags
       return front + running, back - 1 + running
 
     lax.fori_loop(0, rows, place, (jnp.int32(0), jnp.int32(rows - 1)), unroll=UNROLL)
-  if variant == "ranked":
+  if variant.startswith("ranked"):
     def put(j, carry):
       slot = flags_smem[j // 128, j % 128]
       h_buf[pl.ds(slot, 1), :] = h_out[pl.ds(j, 1), :]
       col_buf[pl.ds(slot, 1), :] = col_out[pl.ds(j, 1), :]
-      perm_buf[slot] = perm_ref[j]
+      if variant == "ranked":
+        perm_buf[slot] = perm_ref[j]
       return carry
 
     lax.fori_loop(0, rows, put, 0, unroll=UNROLL)
-  if variant in ("scatter", "ranked"):
+  if variant in ("scatter", "ranked", "ranked rows"):
     h_out[...] = h_buf[...]
     col_out[...] = col_buf[...]
-
+  if variant in ("scatter", "ranked"):
     def back(i, carry):
       perm_ref[i] = perm_buf[i]
       return carry
@@ -202,11 +207,11 @@ def compact(h: jax.Array, col: jax.Array, flags: jax.Array, *, variant: str,
 
 def expected(h: np.ndarray, col: np.ndarray, flags: np.ndarray, variant: str):
   """numpy's (state, column, permutation) for `compact`."""
-  if variant in ("scatter", "ranked"):  # scatter: the stopped rows from the end, last first
+  if variant in ("scatter", "ranked", "ranked rows"):  # scatter: the stopped rows last first
     f = flags[:, 0] > 0
     stopped = np.flatnonzero(~f)
     perm = np.concatenate([np.flatnonzero(f), stopped[::-1] if variant == "scatter" else stopped])
-    return h[perm], col[perm], perm
+    return h[perm], col[perm], perm if variant != "ranked rows" else np.arange(h.shape[0])
   if variant != "partition":
     return h, col, np.arange(h.shape[0])
   perm = np.arange(h.shape[0])

@@ -115,6 +115,24 @@ def test_tol_halting_runs_the_prefix_up_to_the_last_running_row(monkeypatch, ord
   np.testing.assert_allclose(info.residual, ref_info.residual, rtol=1e-4, atol=1e-6)
 
 
+def test_tol_halting_with_ragged_counts_and_pieces(monkeypatch):
+  # The cut prefix is the smaller of the rows running by count and the rows
+  # up to the last one no criterion stopped: ragged counts (sorted into count
+  # order, moved back after) and `tol` together, with 8- and 16-row pieces.
+  monkeypatch.setattr(kernel_tpu_groups, "SMALLEST_PIECE", 8)
+  step, params, h0, x = blocks.make("deq", 150, 16)
+  n = cases.counts("ragged", 150, max_iters=40, seed=6)
+  kw = dict(iters=n, max_iters=40, tol=1e-4)
+  (got, info), plans = _run(step, params, h0, x, block_rows=32, return_info=True, **kw)
+  assert [rows for rows, _ in plans[0].pieces] == [16, 8]
+  want, ref_info = reference.iterate(step, params, h0, x, return_info=True, **kw)
+  oracle.assert_trees_close(got, want)
+  np.testing.assert_array_equal(info.steps, ref_info.steps)
+  np.testing.assert_array_equal(info.halted, ref_info.halted)
+  halted = np.asarray(info.halted)
+  assert halted.any() and not halted.all()  # some rows stop by tol, others by count
+
+
 def test_custom_halt_with_counts():
   step, params, h0, x = blocks.make("tanh_rnn", 50, 16)
   halt = lambda p, h_new, h, x: jnp.mean(h_new, axis=1) > 0.05

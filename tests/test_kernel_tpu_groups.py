@@ -92,6 +92,20 @@ def test_tol_halting(min_iters):
   np.testing.assert_allclose(info.residual, ref_info.residual, rtol=1e-4, atol=1e-6)
 
 
+def _halting_in_pieces_matches_reference(step, params, h0, x, **kw):
+  """iterate with `kw` (halting) in 32-row chunks with 16- and 8-row pieces
+  against the reference: the state, steps, halted flags and residuals;
+  returns the info."""
+  (got, info), plans = _run(step, params, h0, x, block_rows=32, return_info=True, **kw)
+  assert [rows for rows, _ in plans[0].pieces] == [16, 8]
+  want, ref_info = reference.iterate(step, params, h0, x, return_info=True, **kw)
+  oracle.assert_trees_close(got, want)
+  np.testing.assert_array_equal(info.steps, ref_info.steps)
+  np.testing.assert_array_equal(info.halted, ref_info.halted)
+  np.testing.assert_allclose(info.residual, ref_info.residual, rtol=1e-4, atol=1e-6)
+  return info
+
+
 @pytest.mark.parametrize("order", ["first_rows_stop_last", "first_rows_stop_first"])
 def test_tol_halting_runs_the_prefix_up_to_the_last_running_row(monkeypatch, order):
   # The tracked loop cuts each step's prefix after the last row still
@@ -103,16 +117,9 @@ def test_tol_halting_runs_the_prefix_up_to_the_last_running_row(monkeypatch, ord
   step, params, h0, x = blocks.make("deq", 150, 16)
   if order == "first_rows_stop_first":  # `blocks.deq`'s input scale grows along the
     x = x[::-1]                           # rows, and its rows' steps fall: reversed
-  kw = dict(max_iters=40, tol=1e-4)
-  (got, info), plans = _run(step, params, h0, x, block_rows=32, return_info=True, **kw)
-  assert [rows for rows, _ in plans[0].pieces] == [16, 8]
-  want, ref_info = reference.iterate(step, params, h0, x, return_info=True, **kw)
-  oracle.assert_trees_close(got, want)
-  np.testing.assert_array_equal(info.steps, ref_info.steps)
-  np.testing.assert_array_equal(info.halted, ref_info.halted)
+  info = _halting_in_pieces_matches_reference(step, params, h0, x, max_iters=40, tol=1e-4)
   steps = np.asarray(info.steps)
   assert np.all(info.halted) and steps.min() < steps.max()
-  np.testing.assert_allclose(info.residual, ref_info.residual, rtol=1e-4, atol=1e-6)
 
 
 def test_tol_halting_with_ragged_counts_and_pieces(monkeypatch):
@@ -122,13 +129,8 @@ def test_tol_halting_with_ragged_counts_and_pieces(monkeypatch):
   monkeypatch.setattr(kernel_tpu_groups, "SMALLEST_PIECE", 8)
   step, params, h0, x = blocks.make("deq", 150, 16)
   n = cases.counts("ragged", 150, max_iters=40, seed=6)
-  kw = dict(iters=n, max_iters=40, tol=1e-4)
-  (got, info), plans = _run(step, params, h0, x, block_rows=32, return_info=True, **kw)
-  assert [rows for rows, _ in plans[0].pieces] == [16, 8]
-  want, ref_info = reference.iterate(step, params, h0, x, return_info=True, **kw)
-  oracle.assert_trees_close(got, want)
-  np.testing.assert_array_equal(info.steps, ref_info.steps)
-  np.testing.assert_array_equal(info.halted, ref_info.halted)
+  info = _halting_in_pieces_matches_reference(step, params, h0, x, iters=n, max_iters=40,
+                                              tol=1e-4)
   halted = np.asarray(info.halted)
   assert halted.any() and not halted.all()  # some rows stop by tol, others by count
 

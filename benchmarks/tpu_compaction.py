@@ -187,9 +187,12 @@ def compact(h: jax.Array, col: jax.Array, flags: jax.Array, *, variant: str,
     interpret: Pallas' `interpret=`.
 
   Returns:
-    (h[perm], col[perm], perm): for "partition" and "scatter" the running
-    rows first in their order and the stopped ones after (`expected`); else
-    perm is the identity.
+    numpy's `expected`: for "partition", "scatter", "ranked" and "ranked
+    rows", (h[perm], col[perm], perm) with the running rows first in their
+    order and the stopped ones after ("partition": as its swaps leave them;
+    "scatter": last first), perm returned as the identity by "ranked rows"
+    (its column records the moves); for "copy" and "flags", (h, col, the
+    identity).
   """
   rows = h.shape[0]
   whole = lambda shape: pl.BlockSpec(shape, lambda: (0,) * len(shape))
